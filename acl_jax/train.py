@@ -1,0 +1,302 @@
+"""Fine-tuning: the train state, the compiled train step, evaluation, train_and_evaluate."""
+
+import dataclasses
+import json
+import math
+import pathlib
+import platform
+import subprocess
+import sys
+import time
+from typing import Any, Callable
+
+from absl import logging
+import flax
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import tqdm
+
+from acl_jax import checkpoints
+from acl_jax import data
+from acl_jax import losses
+from acl_jax import metrics as metrics_lib
+from acl_jax.models import bert
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+PRECISIONS = {"default": None, "high": jax.lax.Precision.HIGH,
+              "highest": jax.lax.Precision.HIGHEST}
+MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+OBJECTIVES = ("ce",)
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array
+  params: Any
+  opt_state: Any
+
+
+def decay_mask(params) -> Any:
+  """True where AdamW applies weight decay: not on biases and not on LayerNorm parameters."""
+  def decays(path, _):
+    names = [getattr(k, "key", str(k)) for k in path]
+    return names[-1] != "bias" and "LayerNorm" not in names
+  return jax.tree_util.tree_map_with_path(decays, params)
+
+
+def create_optimizer(config, total_steps: int) -> tuple[optax.GradientTransformation, Callable]:
+  """AdamW with linear warm-up then linear decay to 0, after global-norm clipping."""
+  warmup = int(math.ceil(config.warmup_ratio * total_steps))
+  schedule = optax.join_schedules(
+      [optax.linear_schedule(0.0, config.learning_rate, warmup),
+       optax.linear_schedule(config.learning_rate, 0.0, max(total_steps - warmup, 1))],
+      [warmup])
+  tx = optax.chain(
+      optax.clip_by_global_norm(config.max_grad_norm),
+      optax.adamw(schedule, b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps,
+                  weight_decay=config.weight_decay, mask=decay_mask))
+  return tx, schedule
+
+
+def task_loss(task: data.TaskSpec, logits, labels, mask) -> jax.Array:
+  if task.is_regression:
+    return losses.mse(logits[:, 0], labels, mask=mask)
+  return losses.cross_entropy(logits, labels, mask=mask)
+
+
+def make_train_step(model, tx, schedule, task: data.TaskSpec):
+  """Returns the pure step (state, batch, rng) -> (state, metrics), to be jitted once."""
+
+  def train_step(state: TrainState, batch, rng):
+    dropout_rng = jax.random.fold_in(rng, state.step)
+
+    def loss_fn(params):
+      out = model.apply({"params": params}, *(batch[k] for k in MODEL_INPUTS),
+                        deterministic=False, rngs={"dropout": dropout_rng})
+      loss = task_loss(task, out["logits"], batch["labels"], batch["mask"])
+      return loss, {"ce" if not task.is_regression else "mse": loss}
+
+    (loss, terms), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    step_metrics = {"loss": loss, **terms, "grad_norm": optax.global_norm(grads),
+                    "lr": schedule(state.step)}
+    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), step_metrics
+
+  return train_step
+
+
+def make_eval_step(model, task: data.TaskSpec):
+  def eval_step(params, batch):
+    logits = model.apply({"params": params}, *(batch[k] for k in MODEL_INPUTS),
+                         deterministic=True)["logits"]
+    return logits[:, 0] if task.is_regression else jnp.argmax(logits, axis=-1)
+  return eval_step
+
+
+def evaluate(eval_step, params, encoded, task, *, batch_size, boundaries) -> dict[str, float]:
+  """Dev metrics over every example exactly once (padded rows are masked out)."""
+  predictions, labels, mask = [], [], []
+  for batch in data.eval_batches(encoded, batch_size=batch_size, boundaries=boundaries):
+    inputs = {k: batch[k] for k in MODEL_INPUTS}
+    predictions.append(eval_step(params, inputs))
+    labels.append(batch["labels"])
+    mask.append(batch["mask"])
+  predictions = np.concatenate(jax.device_get(predictions))
+  return metrics_lib.compute(task, predictions, np.concatenate(labels), np.concatenate(mask))
+
+
+def _git_commit() -> str | None:
+  repo = pathlib.Path(__file__).resolve().parents[1]
+  try:
+    commit = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True,
+                            text=True, check=True).stdout.strip()
+    dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True, check=True).stdout.strip()
+  except (OSError, subprocess.CalledProcessError):
+    return None
+  return commit + ("-dirty" if dirty else "")
+
+
+def run_metadata() -> dict[str, Any]:
+  import importlib.metadata as md
+  versions = {}
+  for pkg in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "transformers", "datasets",
+              "numpy", "acl_jax"):
+    try:
+      versions[pkg] = md.version(pkg)
+    except md.PackageNotFoundError:
+      versions[pkg] = None
+  return {
+      "argv": sys.argv,
+      "git_commit": _git_commit(),
+      "python": platform.python_version(),
+      "host": platform.node(),
+      "machine": f"{platform.machine()} {platform.processor()}".strip(),
+      "versions": versions,
+      "backend": jax.default_backend(),
+      "devices": [str(d) for d in jax.devices()],
+  }
+
+
+def validate_config(config) -> None:
+  """Fails fast, before any loading, on values that would otherwise fail deep inside."""
+  if config.objective not in OBJECTIVES:
+    raise ValueError(f"config.objective={config.objective!r}; valid: {', '.join(OBJECTIVES)}.")
+  if config.dtype not in DTYPES:
+    raise ValueError(f"config.dtype={config.dtype!r}; valid: {', '.join(DTYPES)}.")
+  if config.matmul_precision not in PRECISIONS:
+    raise ValueError(f"config.matmul_precision={config.matmul_precision!r}; "
+                     f"valid: {', '.join(PRECISIONS)}.")
+  for key in ("batch_size", "eval_batch_size", "num_epochs"):
+    if config[key] <= 0:
+      raise ValueError(f"config.{key}={config[key]} must be positive.")
+
+
+class MetricsWriter:
+  """Appends one JSON object per line to <workdir>/metrics.jsonl."""
+
+  def __init__(self, path: pathlib.Path):
+    self._file = open(path, "a")
+
+  def write(self, step: int, values: dict[str, Any]) -> None:
+    row = {"step": int(step), **{k: _to_python(v) for k, v in values.items()}}
+    self._file.write(json.dumps(row) + "\n")
+    self._file.flush()
+
+  def close(self) -> None:
+    self._file.close()
+
+
+def _to_python(value):
+  value = np.asarray(value)
+  return value.item() if value.ndim == 0 else value.tolist()
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+  """Fine-tunes config.model on config.task; writes the run directory; returns eval results."""
+  workdir = pathlib.Path(workdir).expanduser().resolve()
+  workdir.mkdir(parents=True, exist_ok=True)
+  task = data.get_task(config.task)
+  validate_config(config)
+
+  ckpt_dir = checkpoints.resolve(config.model, allow_pickle=config.allow_pickle)
+  bert_config = checkpoints.load_config(ckpt_dir)
+  if config.max_length > bert_config.max_position_embeddings:
+    raise ValueError(f"config.max_length={config.max_length} exceeds the position table of "
+                     f"{ckpt_dir} (max_position_embeddings={bert_config.max_position_embeddings}).")
+  bert_config = dataclasses.replace(bert_config, hidden_dropout_prob=config.dropout,
+                                    attention_probs_dropout_prob=config.dropout)
+  tokenizer = checkpoints.load_tokenizer(ckpt_dir)
+  pretrained = checkpoints.load_bert_params(ckpt_dir, bert_config,
+                                            allow_pickle=config.allow_pickle)
+
+  glue_dir = data.resolve_glue_dir(config.data.glue_dir)
+  load = dict(tokenizer=tokenizer, max_length=config.max_length, glue_dir=glue_dir,
+              cache_dir=config.data.cache_dir)
+  train_data = data.load_encoded(task, "train", **load)
+  eval_data = {split: data.load_encoded(task, split, **load) for split in task.eval_splits}
+  boundaries = data.bucket_boundaries(config.max_length, tuple(config.data.buckets))
+
+  steps_per_epoch = data.num_train_batches(train_data, batch_size=config.batch_size,
+                                           boundaries=boundaries)
+  total_steps = steps_per_epoch * config.num_epochs
+  if config.max_steps > 0:
+    total_steps = min(total_steps, config.max_steps)
+  eval_every = config.eval_every or steps_per_epoch
+
+  meta = run_metadata()
+  meta.update(checkpoint_dir=str(ckpt_dir), glue_dir=str(glue_dir) if glue_dir else "hub",
+              train_examples=len(train_data.lengths), steps_per_epoch=steps_per_epoch,
+              total_steps=total_steps, bucket_boundaries=list(boundaries))
+  (workdir / "config.json").write_text(
+      json.dumps({"config": config.to_dict(), "meta": meta}, indent=2, default=str) + "\n")
+  logging.info("Task %s: %d train examples, %d steps/epoch, %d steps; devices %s",
+               task.name, len(train_data.lengths), steps_per_epoch, total_steps, meta["devices"])
+
+  model = bert.BertForSequenceClassification(
+      config=bert_config, num_labels=task.num_labels, dtype=DTYPES[config.dtype],
+      precision=PRECISIONS[config.matmul_precision])
+  init_rng, dropout_rng = jax.random.split(jax.random.key(config.seed))
+  dummy = jnp.zeros((1, 8), jnp.int32)
+  params = jax.jit(model.init)(init_rng, dummy, dummy, dummy)["params"]
+  params["bert"] = jax.tree.map(jnp.asarray, pretrained)
+
+  tx, schedule = create_optimizer(config, total_steps)
+  state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+  train_step = jax.jit(make_train_step(model, tx, schedule, task), donate_argnums=0)
+  eval_step = jax.jit(make_eval_step(model, task))
+
+  def run_eval() -> dict[str, dict[str, float]]:
+    return {split: evaluate(eval_step, state.params, encoded, task,
+                            batch_size=config.eval_batch_size, boundaries=boundaries)
+            for split, encoded in eval_data.items()}
+
+  writer = MetricsWriter(workdir / "metrics.jsonl")
+  main_split = next(iter(task.eval_splits))
+  history, best = [], None
+  step, window, window_examples, train_examples = 0, [], 0.0, 0.0
+  train_seconds, window_start = 0.0, time.perf_counter()
+  progress = tqdm.tqdm(total=total_steps, desc=f"{task.name} train", unit="step",
+                       dynamic_ncols=True, disable=None)
+  epoch = 0
+  while step < total_steps:
+    for batch in data.train_batches(train_data, batch_size=config.batch_size,
+                                    boundaries=boundaries, seed=config.seed, epoch=epoch):
+      if step >= total_steps:
+        break
+      valid = float(batch["mask"].sum())
+      inputs = {k: batch[k] for k in (*MODEL_INPUTS, "labels", "mask")}
+      state, step_metrics = train_step(state, inputs, dropout_rng)
+      step += 1
+      window.append(step_metrics)
+      window_examples += valid
+      progress.update(1)
+
+      last = step == total_steps
+      if step % config.log_every == 0 or last or step % eval_every == 0:
+        window = jax.device_get(window)  # the only host sync between evaluations
+        elapsed = time.perf_counter() - window_start
+        train_seconds += elapsed
+        train_examples += window_examples
+        logged = {k: float(np.mean([m[k] for m in window])) for k in window[0]}
+        logged["lr"] = window[-1]["lr"]
+        logged.update(epoch=epoch, examples_per_s=window_examples / elapsed,
+                      compilations=train_step._cache_size())
+        writer.write(step, logged)
+        progress.set_postfix(loss=f"{logged['loss']:.4f}", ex_s=f"{logged['examples_per_s']:.0f}")
+        window, window_examples = [], 0.0
+
+        if step % eval_every == 0 or last:
+          results = run_eval()
+          writer.write(step, {f"eval/{split}/{name}": value
+                              for split, values in results.items()
+                              for name, value in values.items()})
+          history.append({"step": step, **results})
+          main = results[main_split][task.main_metric]
+          if best is None or main > best[main_split][task.main_metric]:
+            best = {"step": step, **results}
+          progress.write(f"step {step}: " + ", ".join(
+              f"{split} {name}={value:.4f}" for split, values in results.items()
+              for name, value in values.items()))
+        window_start = time.perf_counter()
+    epoch += 1
+  progress.close()
+  writer.close()
+
+  eval_results = {
+      "task": task.name,
+      "main_metric": f"{main_split}/{task.main_metric}",
+      "final": history[-1],
+      "best": best,
+      "history": history,
+      "train": {"steps": step, "epochs_started": epoch, "seconds": train_seconds,
+                "examples": train_examples, "examples_per_s": train_examples / train_seconds,
+                "compilations": train_step._cache_size()},
+  }
+  (workdir / "eval_results.json").write_text(json.dumps(eval_results, indent=2) + "\n")
+  logging.info("Final %s; best %s at step %d", history[-1], best[main_split], best["step"])
+  return eval_results
