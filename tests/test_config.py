@@ -1,0 +1,56 @@
+"""configs/glue.py: presets, overrides, and errors that list the valid choices."""
+
+import pytest
+
+from configs import glue
+
+
+def test_defaults_are_the_papers():
+  config = glue.get_config("rte")
+  assert config.task == "rte"
+  assert config.model == "bert-base-uncased"
+  assert (config.max_length, config.batch_size, config.learning_rate) == (128, 32, 2e-5)
+  assert (config.num_epochs, config.weight_decay, config.warmup_ratio) == (3, 0.01, 0.1)
+  assert config.max_grad_norm == 1.0 and config.dropout == 0.1
+  assert config.data.glue_dir is None
+
+
+def test_presets_set_fields():
+  config = glue.get_config("mrpc,model=minilm,objective=ce,epochs=5,seed=3,max_steps=7,lr=3e-5")
+  assert config.task == "mrpc" and config.model == "minilm" and config.objective == "ce"
+  assert (config.num_epochs, config.seed, config.max_steps) == (5, 3, 7)
+  # An explicit lr wins over the model preset's default.
+  assert config.learning_rate == 3e-5
+
+
+def test_model_preset_brings_its_learning_rate():
+  assert glue.get_config("rte,model=minilm").learning_rate == glue.MODEL_DEFAULTS["minilm"][
+      "learning_rate"]
+  # A path or hub id keeps the paper's lr.
+  assert glue.get_config("rte,model=/tmp/some/dir").model == "/tmp/some/dir"
+  assert glue.get_config("rte,model=/tmp/some/dir").learning_rate == 2e-5
+
+
+def test_task_aliases():
+  assert glue.get_config("SST-2").task == "sst2"
+  assert glue.get_config("sts-b").task == "stsb"
+
+
+def test_unknown_task_lists_valid_ones():
+  with pytest.raises(ValueError, match=r"(?s)rtee.*cola.*mrpc.*rte"):
+    glue.get_config("rtee")
+
+
+def test_unknown_preset_lists_valid_ones():
+  with pytest.raises(ValueError, match=r"unknown preset 'epoch'.*epochs.*max_steps.*seed"):
+    glue.get_config("rte,epoch=3")
+
+
+def test_bad_preset_value_names_it():
+  with pytest.raises(ValueError, match=r"seed='one'.*int"):
+    glue.get_config("rte,seed=one")
+
+
+def test_two_tasks_rejected():
+  with pytest.raises(ValueError, match="two task names"):
+    glue.get_config("rte,mrpc")

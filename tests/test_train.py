@@ -1,0 +1,198 @@
+"""The CE fine-tuning loop: optimizer against PyTorch's AdamW, schedule, and full runs."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from acl_jax import data
+from acl_jax import train
+from configs import glue
+
+
+def tiny_config(model_dir, glue_dir, tmp_path, **overrides):
+  config = glue.get_config(f"rte,model={model_dir}")
+  config.max_steps = 6
+  config.log_every = 2
+  config.batch_size = 8
+  config.eval_batch_size = 32
+  config.max_length = 64
+  config.learning_rate = 1e-3
+  config.data.buckets = (32,)
+  config.data.glue_dir = str(glue_dir)
+  config.data.cache_dir = str(tmp_path / "cache")
+  for key, value in overrides.items():
+    config[key] = value
+  return config
+
+
+def test_decay_mask_spares_biases_and_layernorm():
+  params = {"bert": {"embeddings": {"word_embeddings": {"embedding": 0},
+                                    "LayerNorm": {"scale": 0, "bias": 0}},
+                     "pooler": {"dense": {"kernel": 0, "bias": 0}}},
+            "classifier": {"kernel": 0, "bias": 0}}
+  mask = train.decay_mask(params)
+  assert mask["bert"]["embeddings"]["word_embeddings"]["embedding"]
+  assert not mask["bert"]["embeddings"]["LayerNorm"]["scale"]
+  assert not mask["bert"]["embeddings"]["LayerNorm"]["bias"]
+  assert mask["bert"]["pooler"]["dense"]["kernel"] and not mask["bert"]["pooler"]["dense"]["bias"]
+  assert mask["classifier"]["kernel"] and not mask["classifier"]["bias"]
+
+
+def test_schedule_is_linear_warmup_then_linear_decay():
+  config = glue.get_config("rte")
+  _, schedule = train.create_optimizer(config, total_steps=100)
+  lr = config.learning_rate
+  # HF's get_linear_schedule_with_warmup, written out: warm-up over 10 steps, decay to 0 at 100.
+  for step in (0, 3, 10, 55, 99, 100):
+    expected = lr * step / 10 if step < 10 else lr * (100 - step) / 90
+    np.testing.assert_allclose(float(schedule(step)), expected, rtol=1e-6, atol=1e-12)
+
+
+def test_optimizer_matches_torch_adamw_with_clipping_and_decay_mask():
+  """Three updates of our optax chain equal torch's clip_grad_norm_ + AdamW with param groups."""
+  import torch
+  config = glue.get_config("rte")
+  config.learning_rate = 1e-2
+  config.max_grad_norm = 0.5
+  tx, schedule = train.create_optimizer(config, total_steps=10)
+  rng = np.random.default_rng(0)
+  params = {"dense": {"kernel": rng.normal(size=(4, 3)).astype(np.float32),
+                      "bias": rng.normal(size=(3,)).astype(np.float32)},
+            "LayerNorm": {"scale": rng.normal(size=(3,)).astype(np.float32)}}
+  grads_seq = [jax.tree.map(lambda p: rng.normal(size=p.shape).astype(np.float32), params)
+               for _ in range(3)]
+
+  jparams = jax.tree.map(jnp.asarray, params)
+  opt_state = tx.init(jparams)
+  for grads in grads_seq:
+    updates, opt_state = tx.update(jax.tree.map(jnp.asarray, grads), opt_state, jparams)
+    jparams = optax.apply_updates(jparams, updates)
+
+  tparams = {k: torch.nn.Parameter(torch.tensor(v)) for k, v in
+             {"kernel": params["dense"]["kernel"], "bias": params["dense"]["bias"],
+              "scale": params["LayerNorm"]["scale"]}.items()}
+  opt = torch.optim.AdamW(
+      [{"params": [tparams["kernel"]], "weight_decay": config.weight_decay},
+       {"params": [tparams["bias"], tparams["scale"]], "weight_decay": 0.0}],
+      lr=config.learning_rate, betas=(config.adam_b1, config.adam_b2), eps=config.adam_eps)
+  sched = torch.optim.lr_scheduler.LambdaLR(
+      opt, lambda s: float(schedule(s)) / config.learning_rate)
+  for grads in grads_seq:
+    tparams["kernel"].grad = torch.tensor(grads["dense"]["kernel"])
+    tparams["bias"].grad = torch.tensor(grads["dense"]["bias"])
+    tparams["scale"].grad = torch.tensor(grads["LayerNorm"]["scale"])
+    torch.nn.utils.clip_grad_norm_(list(tparams.values()), config.max_grad_norm)
+    opt.step()
+    sched.step()
+
+  np.testing.assert_allclose(jparams["dense"]["kernel"], tparams["kernel"].detach().numpy(),
+                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(jparams["dense"]["bias"], tparams["bias"].detach().numpy(),
+                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(jparams["LayerNorm"]["scale"], tparams["scale"].detach().numpy(),
+                             rtol=1e-5, atol=1e-6)
+
+
+def test_rte_run_writes_the_run_directory(tiny_bert_dir, glue_dir, tmp_path):
+  workdir = tmp_path / "run"
+  config = tiny_config(tiny_bert_dir, glue_dir, tmp_path)
+  results = train.train_and_evaluate(config, str(workdir))
+
+  saved = json.loads((workdir / "config.json").read_text())
+  assert saved["config"]["task"] == "rte" and saved["config"]["max_steps"] == 6
+  assert saved["meta"]["versions"]["jax"] == jax.__version__
+  assert saved["meta"]["train_examples"] == 2490
+
+  rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  train_rows = [r for r in rows if "loss" in r]
+  assert [r["step"] for r in train_rows] == [2, 4, 6]
+  assert all(np.isfinite(r["loss"]) and r["examples_per_s"] > 0 for r in train_rows)
+  # One compiled step per bucket shape, never one per batch.
+  assert train_rows[-1]["compilations"] <= 2  # boundaries (32, 64)
+  assert any("eval/validation/accuracy" in r for r in rows)
+
+  on_disk = json.loads((workdir / "eval_results.json").read_text())
+  assert on_disk == results
+  assert results["final"]["step"] == 6
+  assert 0.0 <= results["final"]["validation"]["accuracy"] <= 1.0
+  assert results["train"]["steps"] == 6
+
+
+def test_eval_counts_every_dev_example_once(tiny_bert_dir, glue_dir, tmp_path):
+  """The dev metric does not depend on the eval batch size (padded rows are masked out), and
+  equals the metric of per-example predictions computed without any padding rows."""
+  from acl_jax import checkpoints
+  from acl_jax import metrics
+  from acl_jax.models import bert
+
+  task = data.get_task("rte")
+  tokenizer = checkpoints.load_tokenizer(tiny_bert_dir)
+  dev = data.load_encoded(task, "validation", tokenizer, max_length=64, glue_dir=glue_dir,
+                          cache_dir=tmp_path / "cache")
+  bert_config = checkpoints.load_config(tiny_bert_dir)
+  model = bert.BertForSequenceClassification(config=bert_config, num_labels=2)
+  params = model.init(jax.random.key(1), *(jnp.zeros((1, 8), jnp.int32),) * 3)["params"]
+  eval_step = jax.jit(train.make_eval_step(model, task))
+  boundaries = data.bucket_boundaries(64, (16, 32))
+
+  by_batch = {bs: train.evaluate(eval_step, params, dev, task, batch_size=bs,
+                                 boundaries=boundaries) for bs in (7, 32, 300)}
+  assert by_batch[7] == by_batch[32] == by_batch[300]
+
+  predictions = np.zeros(len(dev.lengths), np.int64)
+  for i in range(len(dev.lengths)):
+    ids = dev.input_ids[dev.offsets[i]:dev.offsets[i + 1]][None]
+    types = dev.token_type_ids[dev.offsets[i]:dev.offsets[i + 1]][None]
+    logits = model.apply({"params": params}, ids, np.ones_like(ids), types)["logits"]
+    predictions[i] = int(np.argmax(logits[0]))
+  assert by_batch[32] == metrics.compute(task, predictions, dev.labels)
+
+
+def test_train_step_fits_one_batch(tiny_bert_dir, glue_dir, tmp_path):
+  """The compiled step (donated state, dropout on) drives CE on one fixed batch towards 0."""
+  from acl_jax import checkpoints
+  from acl_jax.models import bert
+
+  task = data.get_task("rte")
+  config = tiny_config(tiny_bert_dir, glue_dir, tmp_path, learning_rate=2e-3, warmup_ratio=0.0)
+  tokenizer = checkpoints.load_tokenizer(tiny_bert_dir)
+  encoded = data.load_encoded(task, "train", tokenizer, max_length=64, glue_dir=glue_dir,
+                              cache_dir=tmp_path / "cache")
+  batch = next(data.train_batches(encoded, batch_size=16, boundaries=(64,), seed=0, epoch=0))
+  batch = {k: batch[k] for k in (*train.MODEL_INPUTS, "labels", "mask")}
+  model = bert.BertForSequenceClassification(config=checkpoints.load_config(tiny_bert_dir),
+                                             num_labels=2)
+  params = model.init(jax.random.key(0), *(jnp.zeros((1, 8), jnp.int32),) * 3)["params"]
+  tx, schedule = train.create_optimizer(config, total_steps=1000)
+  state = train.TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                           opt_state=tx.init(params))
+  step = jax.jit(train.make_train_step(model, tx, schedule, task), donate_argnums=0)
+  losses = []
+  for _ in range(40):
+    state, m = step(state, batch, jax.random.key(1))
+    losses.append(float(m["loss"]))
+  assert losses[0] > 0.5  # near log(2) at random init
+  assert losses[-1] < 0.05, losses
+  assert int(state.step) == 40
+
+
+def test_stsb_regression_end_to_end(tiny_bert_dir, glue_dir, tmp_path):
+  config = tiny_config(tiny_bert_dir, glue_dir, tmp_path, task="stsb", max_steps=4,
+                       eval_batch_size=128)
+  results = train.train_and_evaluate(config, str(tmp_path / "stsb"))
+  final = results["final"]["validation"]
+  assert set(final) == {"pearson", "spearman"}
+  assert all(np.isfinite(v) for v in final.values())
+  rows = [json.loads(line) for line in (tmp_path / "stsb" / "metrics.jsonl").read_text()
+          .splitlines()]
+  assert "mse" in rows[0]
+
+
+def test_max_length_beyond_position_table_is_refused(tiny_bert_dir, glue_dir, tmp_path):
+  config = tiny_config(tiny_bert_dir, glue_dir, tmp_path, max_length=512)
+  with pytest.raises(ValueError, match=r"max_length=512.*max_position_embeddings=128"):
+    train.train_and_evaluate(config, str(tmp_path / "run"))
