@@ -82,7 +82,7 @@ def make_train_step(model, tx, schedule, task: data.TaskSpec):
     (loss, terms), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    step_metrics = {"loss": loss, **terms, "grad_norm": optax.global_norm(grads),
+    step_metrics = {"loss": loss, **terms, "grad_norm": optax.tree.norm(grads),
                     "lr": schedule(state.step)}
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), step_metrics
 
