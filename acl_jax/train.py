@@ -268,6 +268,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                       compilations=train_step._cache_size())
         writer.write(step, logged)
         progress.set_postfix(loss=f"{logged['loss']:.4f}", ex_s=f"{logged['examples_per_s']:.0f}")
+        if progress.disable:  # no terminal (batch jobs, nohup): progress goes to the log
+          logging.info("step %d/%d epoch %d: loss %.4f, %.1f examples/s", step, total_steps,
+                       epoch, logged["loss"], logged["examples_per_s"])
         window, window_examples = [], 0.0
 
         if step % eval_every == 0 or last:

@@ -1,0 +1,42 @@
+"""The command line, run as users run it: a subprocess with --config and --workdir."""
+
+import json
+import os
+import subprocess
+import sys
+
+from conftest import REPO_ROOT
+
+
+def run_main(*args, glue_dir):
+  env = dict(os.environ, GLUE_DIR=str(glue_dir))
+  return subprocess.run([sys.executable, "-m", "acl_jax.main", *args], cwd=REPO_ROOT, env=env,
+                        capture_output=True, text=True, timeout=600)
+
+
+def test_cli_trains_and_writes_the_run_directory(tiny_bert_dir, glue_dir, tmp_path):
+  workdir = tmp_path / "run"
+  proc = run_main(f"--config=configs/glue.py:rte,model={tiny_bert_dir},objective=ce,max_steps=3",
+                  "--config.batch_size=8", "--config.max_length=64",
+                  f"--config.data.cache_dir={tmp_path / 'cache'}", f"--workdir={workdir}",
+                  glue_dir=glue_dir)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "validation accuracy=" in proc.stdout + proc.stderr
+  results = json.loads((workdir / "eval_results.json").read_text())
+  assert results["final"]["step"] == 3
+  saved = json.loads((workdir / "config.json").read_text())
+  assert saved["config"]["batch_size"] == 8
+  assert saved["meta"]["argv"][1].startswith("--config=configs/glue.py:rte")
+
+
+def test_cli_rejects_an_unknown_config_field(glue_dir, tmp_path):
+  proc = run_main("--config=configs/glue.py:rte", "--config.learning_rat=1e-4",
+                  f"--workdir={tmp_path}", glue_dir=glue_dir)
+  assert proc.returncode != 0
+  assert "learning_rat" in proc.stderr
+
+
+def test_cli_rejects_an_unknown_task_listing_valid_ones(glue_dir, tmp_path):
+  proc = run_main("--config=configs/glue.py:rtx", f"--workdir={tmp_path}", glue_dir=glue_dir)
+  assert proc.returncode != 0
+  assert "rtx" in proc.stderr and "mrpc" in proc.stderr
