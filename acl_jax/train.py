@@ -21,6 +21,7 @@ import tqdm
 
 from acl_jax import checkpoints
 from acl_jax import data
+from acl_jax import gradients
 from acl_jax import losses
 from acl_jax import metrics as metrics_lib
 from acl_jax.models import bert
@@ -29,7 +30,6 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 PRECISIONS = {"default": None, "high": jax.lax.Precision.HIGH,
               "highest": jax.lax.Precision.HIGHEST}
 MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
-OBJECTIVES = ("ce",)
 
 
 @flax.struct.dataclass
@@ -61,25 +61,82 @@ def create_optimizer(config, total_steps: int) -> tuple[optax.GradientTransforma
   return tx, schedule
 
 
+@dataclasses.dataclass(frozen=True)
+class Objective:
+  """What a training objective adds to the task loss, and how its gradient is gated.
+
+  aux: the auxiliary loss (None: the task loss alone); gate: gradients.combine mode;
+  ce_weight: "1-lambda" for the SCL baseline's convex mix (1-l) CE + l SCL, else CE + l aux.
+  """
+  aux: str | None = None
+  gate: str = "none"
+  ce_weight: str = "1"
+
+
+OBJECTIVES = {
+    "ce": Objective(),
+    "scl": Objective(aux="scl", ce_weight="1-lambda"),   # Gunel et al.'s CE+SCL baseline
+    "acl_embed": Objective(aux="acl_embed"),               # ACL-Embed without gating
+    "acl": Objective(aux="acl_embed", gate="drop"),        # ACL-BERT: ACL-Embed + ACL-Grad
+    "acl_project": Objective(aux="acl_embed", gate="project"),  # PCGrad-style ablation
+}
+
+
 def task_loss(task: data.TaskSpec, logits, labels, mask) -> jax.Array:
   if task.is_regression:
     return losses.mse(logits[:, 0], labels, mask=mask)
   return losses.cross_entropy(logits, labels, mask=mask)
 
 
-def make_train_step(model, tx, schedule, task: data.TaskSpec):
-  """Returns the pure step (state, batch, rng) -> (state, metrics), to be jitted once."""
+def make_train_step(model, tx, schedule, task: data.TaskSpec, *, objective: str = "ce",
+                    aux_weight: float = 0.5, temperature: float = 0.3, anchors: str = "all",
+                    measure_conflict: bool = False):
+  """Returns the pure step (state, batch, rng) -> (state, metrics), to be jitted once.
+
+  With a gate (or measure_conflict, for the pilot experiment) the step takes one forward pass
+  and one jax.vjp of the stacked loss vector [w_ce * CE, lambda * aux], pulls back both unit
+  cotangents from that single vjp (same dropout masks for both gradients), and combines the
+  two gradient pytrees with acl_jax.gradients.combine. Without one, the summed loss has one
+  ordinary backward pass.
+  """
+  spec = OBJECTIVES[objective]
+  two_gradients = spec.aux is not None and (spec.gate != "none" or measure_conflict)
+  ce_weight = 1.0 - aux_weight if spec.ce_weight == "1-lambda" else 1.0
+  main_name = "mse" if task.is_regression else "ce"
+
+  def loss_vector(params, batch, dropout_rng):
+    out = model.apply({"params": params}, *(batch[k] for k in MODEL_INPUTS),
+                      deterministic=False, rngs={"dropout": dropout_rng})
+    main = task_loss(task, out["logits"], batch["labels"], batch["mask"])
+    terms = {main_name: main}
+    if spec.aux is None:
+      return main[None], terms
+    if spec.aux == "scl":
+      aux = losses.scl(out["pooled"], batch["labels"], temperature=temperature,
+                       mask=batch["mask"])
+    else:
+      # Label embeddings are the classifier's rows (kernel is [d, K]), trained by both terms.
+      aux = losses.acl_embed(out["pooled"], batch["labels"], params["classifier"]["kernel"].T,
+                             temperature=temperature, mask=batch["mask"], anchors=anchors)
+    terms["aux"] = aux
+    return jnp.stack([ce_weight * main, aux_weight * aux]), terms
 
   def train_step(state: TrainState, batch, rng):
     dropout_rng = jax.random.fold_in(rng, state.step)
-
-    def loss_fn(params):
-      out = model.apply({"params": params}, *(batch[k] for k in MODEL_INPUTS),
-                        deterministic=False, rngs={"dropout": dropout_rng})
-      loss = task_loss(task, out["logits"], batch["labels"], batch["mask"])
-      return loss, {"ce" if not task.is_regression else "mse": loss}
-
-    (loss, terms), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    if two_gradients:
+      loss_vec, pull_back, terms = jax.vjp(
+          lambda p: loss_vector(p, batch, dropout_rng), state.params, has_aux=True)
+      # Both rows of the identity through the one vjp: a batched backward pass.
+      (stacked,) = jax.vmap(pull_back)(jnp.eye(2, dtype=loss_vec.dtype))
+      g_main = jax.tree.map(lambda g: g[0], stacked)
+      g_aux = jax.tree.map(lambda g: g[1], stacked)
+      grads, gate = gradients.combine(g_main, g_aux, mode=spec.gate)
+      loss = loss_vec[0] + gate["kept"] * loss_vec[1] if spec.gate == "drop" else loss_vec.sum()
+      terms.update(gate)
+    else:
+      (loss, terms), grads = jax.value_and_grad(
+          lambda p: (lambda v, t: (v.sum(), t))(*loss_vector(p, batch, dropout_rng)),
+          has_aux=True)(state.params)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     step_metrics = {"loss": loss, **terms, "grad_norm": optax.tree.norm(grads),
@@ -146,6 +203,13 @@ def validate_config(config) -> None:
   """Fails fast, before any loading, on values that would otherwise fail deep inside."""
   if config.objective not in OBJECTIVES:
     raise ValueError(f"config.objective={config.objective!r}; valid: {', '.join(OBJECTIVES)}.")
+  if OBJECTIVES[config.objective].aux and data.get_task(config.task).is_regression:
+    raise ValueError(f"config.objective={config.objective!r} is contrastive and needs class "
+                     f"labels; {config.task} is a regression task: use objective=ce (MSE).")
+  if config.temperature <= 0:
+    raise ValueError(f"config.temperature={config.temperature} must be positive.")
+  if config.anchors not in ("all", "samples"):
+    raise ValueError(f"config.anchors={config.anchors!r}; valid: all, samples.")
   if config.dtype not in DTYPES:
     raise ValueError(f"config.dtype={config.dtype!r}; valid: {', '.join(DTYPES)}.")
   if config.matmul_precision not in PRECISIONS:
@@ -227,7 +291,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
   tx, schedule = create_optimizer(config, total_steps)
   state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
-  train_step = jax.jit(make_train_step(model, tx, schedule, task), donate_argnums=0)
+  train_step = jax.jit(make_train_step(
+      model, tx, schedule, task, objective=config.objective, aux_weight=config["lambda"],
+      temperature=config.temperature, anchors=config.anchors,
+      measure_conflict=config.measure_conflict), donate_argnums=0)
   eval_step = jax.jit(make_eval_step(model, task))
 
   def run_eval() -> dict[str, dict[str, float]]:

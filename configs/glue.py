@@ -33,6 +33,9 @@ PRESET_KEYS = {
     "max_length": int,
     "dtype": str,
     "eval_every": int,
+    "lambda": float,
+    "temperature": float,
+    "anchors": str,
 }
 # Preset names that differ from the config field they set.
 _FIELD = {"epochs": "num_epochs", "lr": "learning_rate"}
@@ -65,7 +68,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.model = "bert-base-uncased"
   # Loading PyTorch .bin files unpickles them: only on explicit request.
   config.allow_pickle = False
-  config.objective = "ce"
+  # ce | scl (CE+SCL baseline) | acl_embed | acl (ACL-Embed + ACL-Grad) | acl_project.
+  config.objective = "acl"
+  # Weight of the auxiliary term: (1-lambda) CE + lambda SCL; CE + lambda ACL-Embed.
+  config["lambda"] = 0.5
+  config.temperature = 0.3
+  config.anchors = "all"  # ACL-Embed anchors: all (samples and label embeddings) | samples.
+  # Compute CE's and the auxiliary term's gradients separately even when the objective does
+  # not gate, to log their cosine (the pilot experiment); costs a second backward pass.
+  config.measure_conflict = False
   config.seed = 0
 
   config.num_epochs = 3

@@ -13,6 +13,14 @@ def test_defaults_are_the_papers():
   assert (config.num_epochs, config.weight_decay, config.warmup_ratio) == (3, 0.01, 0.1)
   assert config.max_grad_norm == 1.0 and config.dropout == 0.1
   assert config.data.glue_dir is None
+  # The paper's ACL-BERT: ACL-Embed + ACL-Grad (drop), anchors on samples and label embeddings.
+  assert config.objective == "acl" and config.anchors == "all"
+  assert config["lambda"] > 0 and config.temperature > 0
+
+
+def test_lambda_and_temperature_presets():
+  config = glue.get_config("rte,objective=scl,lambda=0.9,temperature=0.1")
+  assert config.objective == "scl" and config["lambda"] == 0.9 and config.temperature == 0.1
 
 
 def test_presets_set_fields():
