@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import math
+import os
 import pathlib
 import platform
 import subprocess
@@ -178,6 +179,16 @@ def _git_commit() -> str | None:
   return commit + ("-dirty" if dirty else "")
 
 
+def _machine() -> str:
+  cpu = platform.processor() or platform.machine()
+  try:
+    with open("/proc/cpuinfo") as f:
+      cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+  except (OSError, StopIteration):
+    pass
+  return f"{cpu}, {os.cpu_count()} cores"
+
+
 def run_metadata() -> dict[str, Any]:
   import importlib.metadata as md
   versions = {}
@@ -192,7 +203,7 @@ def run_metadata() -> dict[str, Any]:
       "git_commit": _git_commit(),
       "python": platform.python_version(),
       "host": platform.node(),
-      "machine": f"{platform.machine()} {platform.processor()}".strip(),
+      "machine": _machine(),
       "versions": versions,
       "backend": jax.default_backend(),
       "devices": [str(d) for d in jax.devices()],

@@ -33,9 +33,15 @@ def load_run(workdir: pathlib.Path) -> dict | None:
       "train_seconds": results["train"]["seconds"],
       "examples_per_s": results["train"]["examples_per_s"],
       "steps": results["train"]["steps"],
-      "command": " ".join(meta["argv"]), "commit": meta["git_commit"],
+      "command": command_line(meta["argv"]), "commit": meta["git_commit"],
       "machine": meta["machine"], "backend": meta["backend"], "versions": meta["versions"],
   }
+
+
+def command_line(argv: list[str]) -> str:
+  # `python -m acl_jax.main` records its own path as argv[0].
+  program = "python -m acl_jax.main" if argv[0].endswith("acl_jax/main.py") else argv[0]
+  return " ".join([program, *argv[1:]])
 
 
 def mean_std(values):
