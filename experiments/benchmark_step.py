@@ -1,0 +1,481 @@
+"""Times one training step per (framework, model shape, objective): our jitted JAX step and HF
+transformers + PyTorch, on the same random batch, in one process.
+
+Every measured configuration prints one JSON line (`"kind": "step"`), also appended to --out;
+then `"kind": "ratio"` lines compare median step times measured in this same run against the
+speed targets (ACL's two gradients cost <= 1.55x CE; SCL and ACL-Embed <= 1.05x CE; our CE and
+ACL steps no slower than PyTorch's).
+
+Full run (quiet machine; takes a while on CPU):
+  python experiments/benchmark_step.py --out experiments/results/benchmark_step.jsonl
+Smoke test (tiny 2x64 model, batch 4, seq 32, 2 timed steps; under a minute):
+  python experiments/benchmark_step.py --quick
+"""
+
+import argparse
+import gc
+import json
+import os
+import pathlib
+import platform
+import resource
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# configs/ and experiments/ are not installed packages; both live at the repository root.
+REPO = pathlib.Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+  sys.path.insert(0, str(REPO))
+
+from acl_jax import checkpoints  # noqa: E402
+from acl_jax import data  # noqa: E402
+from acl_jax import train  # noqa: E402
+from acl_jax.models import bert  # noqa: E402
+from configs import glue  # noqa: E402
+
+# Architecture only; random init, dropout 0.1 as in fine-tuning. "tiny" is for smoke tests.
+SHAPES = {
+    "minilm": dict(num_hidden_layers=6, hidden_size=384, num_attention_heads=12,
+                   intermediate_size=1536),
+    "bert-base": dict(num_hidden_layers=12, hidden_size=768, num_attention_heads=12,
+                      intermediate_size=3072),
+    "tiny": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                 intermediate_size=256),
+}
+VOCAB_SIZE = 30522
+OBJECTIVES = tuple(train.OBJECTIVES)
+# The objectives PyTorch has a step for: the CE baseline and ACL (ACL-Embed + the drop gate).
+TORCH_OBJECTIVES = ("ce", "acl")
+FRAMEWORKS = ("jax", "pytorch")
+AUX_WEIGHT, TEMPERATURE = 0.5, 0.3
+# BERT uncased vocabulary ids of [PAD], [CLS], [SEP]; ordinary tokens are drawn above 999.
+PAD_ID, CLS_ID, SEP_ID, FIRST_WORD_ID = 0, 101, 102, 1000
+
+# (name, numerator, denominator, target maximum): numerator and denominator are
+# (framework, objective). acl_project has the same two-gradient structure as acl, so it gets
+# acl's target.
+RATIOS = (
+    ("jax acl / jax ce", ("jax", "acl"), ("jax", "ce"), 1.55),
+    ("jax scl / jax ce", ("jax", "scl"), ("jax", "ce"), 1.05),
+    ("jax acl_embed / jax ce", ("jax", "acl_embed"), ("jax", "ce"), 1.05),
+    ("jax acl_project / jax ce", ("jax", "acl_project"), ("jax", "ce"), 1.55),
+    ("jax ce / pytorch ce", ("jax", "ce"), ("pytorch", "ce"), 1.0),
+    ("jax acl / pytorch acl", ("jax", "acl"), ("pytorch", "acl"), 1.0),
+)
+
+QUICK = dict(shapes="tiny", batch_size=4, seq_len=32, warmup=1, steps=2)
+DEFAULTS = dict(shapes="minilm,bert-base", batch_size=32, seq_len=128, warmup=3, steps=10)
+
+
+def make_batch(rng: np.random.Generator, batch_size: int, seq_len: int) -> dict[str, np.ndarray]:
+  """A padded sentence-pair batch as acl_jax.data makes it: [CLS] a [SEP] b [SEP] [PAD]...
+
+  Lengths vary per row, so attention masks and token types look like RTE's; labels alternate
+  between the 2 classes (shuffled) so every contrastive anchor has positives; no padding rows.
+  """
+  lengths = rng.integers(max(seq_len // 4, 5), seq_len + 1, size=batch_size)
+  input_ids = np.full((batch_size, seq_len), PAD_ID, np.int32)
+  token_type_ids = np.zeros((batch_size, seq_len), np.int32)
+  attention_mask = np.zeros((batch_size, seq_len), np.int32)
+  for row, n in enumerate(lengths):
+    first_sep = 1 + rng.integers(1, n - 3)  # at least one token in each segment
+    input_ids[row, :n] = rng.integers(FIRST_WORD_ID, VOCAB_SIZE, size=n)
+    input_ids[row, [0, first_sep, n - 1]] = CLS_ID, SEP_ID, SEP_ID
+    token_type_ids[row, first_sep + 1:n] = 1
+    attention_mask[row, :n] = 1
+  labels = rng.permutation(np.arange(batch_size) % 2).astype(np.int32)
+  return {"input_ids": input_ids, "attention_mask": attention_mask,
+          "token_type_ids": token_type_ids, "labels": labels,
+          "mask": np.ones((batch_size,), np.float32)}
+
+
+def _host_cpu() -> str:
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or platform.machine()
+
+
+def _reset_peak_rss() -> bool:
+  """Resets the process's resident-set high-water mark (Linux >= 4.0), so that each
+  configuration reports its own peak instead of the largest one run before it."""
+  try:
+    with open("/proc/self/clear_refs", "w") as f:
+      f.write("5")
+    return True
+  except OSError:
+    return False
+
+
+def _rss_mib() -> float:
+  try:
+    with open("/proc/self/status") as f:
+      for line in f:
+        if line.startswith("VmRSS:"):
+          return int(line.split()[1]) / 1024
+  except OSError:
+    pass
+  return float("nan")
+
+
+def _peak_rss_mib() -> float:
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def _timing(times: list[float], batch_size: int) -> dict[str, float]:
+  median = statistics.median(times)
+  return {"median_step_s": median,
+          "p90_step_s": float(np.percentile(times, 90)),
+          "min_step_s": min(times),
+          "examples_per_s": batch_size / median,
+          "step_times_s": times}
+
+
+def bert_config(shape: str) -> bert.BertConfig:
+  return bert.BertConfig(vocab_size=VOCAB_SIZE, **SHAPES[shape])
+
+
+def run_jax(shape: str, objective: str, batch_np, args, config) -> dict:
+  """Compiles train.make_train_step as train.py does (jit, state donated) and times it."""
+  model_config = bert_config(shape)
+  model = bert.BertForSequenceClassification(config=model_config, num_labels=2)
+  dummy = jnp.zeros((1, 8), jnp.int32)
+  params = jax.jit(model.init)(jax.random.key(0), dummy, dummy, dummy)["params"]
+  if args.pretrained_minilm and shape == "minilm":
+    ckpt = checkpoints.preset_dir(checkpoints.MINILM)
+    params["bert"] = jax.tree.map(
+        jnp.asarray, checkpoints.load_bert_params(ckpt, checkpoints.load_config(ckpt)))
+  tx, schedule = train.create_optimizer(config, total_steps=1 + args.warmup + 2 * args.steps)
+  state = train.TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                           opt_state=tx.init(params))
+  del params
+  step = jax.jit(train.make_train_step(
+      model, tx, schedule, data.get_task("rte"), objective=objective, aux_weight=AUX_WEIGHT,
+      temperature=TEMPERATURE), donate_argnums=0)
+  # On the device once: the step is timed, not the host-to-device copy of the batch.
+  batch = jax.device_put(batch_np)
+  rng = jax.random.key(1)
+
+  start = time.perf_counter()
+  state, metrics = step(state, batch, rng)
+  jax.block_until_ready(state)
+  compile_s = time.perf_counter() - start
+  for _ in range(args.warmup):
+    state, metrics = step(state, batch, rng)
+  jax.block_until_ready(state)
+
+  times = []
+  for _ in range(args.steps):
+    start = time.perf_counter()
+    state, metrics = step(state, batch, rng)
+    jax.block_until_ready(state)
+    times.append(time.perf_counter() - start)
+  # As train.py runs: steps dispatched back to back, one sync at the end.
+  start = time.perf_counter()
+  for _ in range(args.steps):
+    state, metrics = step(state, batch, rng)
+  jax.block_until_ready(state)
+  pipelined_s = (time.perf_counter() - start) / args.steps
+
+  device = jax.devices()[0]
+  row = {"framework": "jax", "backend": jax.default_backend(), "device_kind": device.device_kind,
+         **_timing(times, args.batch_size), "pipelined_step_s": pipelined_s,
+         "compile_s": compile_s, "compilations": step._cache_size(),
+         "last_loss": float(metrics["loss"]),
+         "kept": float(metrics["kept"]) if "kept" in metrics else None}
+  stats = device.memory_stats() if jax.default_backend() != "cpu" else None
+  if stats and "peak_bytes_in_use" in stats:
+    # The allocator's peak since the process started (it cannot be reset), so it is an upper
+    # bound for every configuration after the first.
+    row["peak_device_mib"] = stats["peak_bytes_in_use"] / 2**20
+  del state, metrics, batch, step
+  return row
+
+
+def torch_acl_embed(features, labels, label_embeddings, temperature):
+  """acl_jax.losses.acl_embed (anchors="all", no padding rows) in torch: SupCon over the
+  samples and the label embeddings together, float32, with the same masked logsumexp."""
+  import torch  # pylint: disable=import-outside-toplevel
+  n, k = features.shape[0], label_embeddings.shape[0]
+  elements = torch.cat([features.float(), label_embeddings.float()])
+  element_labels = torch.cat([labels, torch.arange(k, device=labels.device)])
+  z = elements * torch.rsqrt(torch.clamp((elements * elements).sum(-1, keepdim=True), min=1e-12))
+  sim = z @ z.T / temperature
+  others = ~torch.eye(n + k, dtype=torch.bool, device=sim.device)
+  positives = others & (element_labels[:, None] == element_labels[None, :])
+  peak = sim.masked_fill(~others, float("-inf")).amax(-1, keepdim=True).detach()
+  total = torch.exp((sim - peak).masked_fill(~others, float("-inf"))).sum(-1)
+  log_normalizer = peak[:, 0] + torch.log(total.clamp_min(torch.finfo(torch.float32).tiny))
+  log_prob = sim - log_normalizer[:, None]
+  n_pos = positives.sum(-1)
+  per_anchor = -log_prob.masked_fill(~positives, 0.0).sum(-1) / n_pos.clamp_min(1)
+  counted = (n_pos > 0).float()
+  return (per_anchor * counted).sum() / counted.sum().clamp_min(1.0)
+
+
+def check_torch_acl_embed() -> float:
+  """The torch port against acl_jax.losses.acl_embed on one small random input; returns the
+  absolute difference (a wrong port would time a different computation)."""
+  import torch  # pylint: disable=import-outside-toplevel
+  from acl_jax import losses  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(0)
+  features = rng.normal(size=(8, 16)).astype(np.float32)
+  label_embeddings = rng.normal(size=(2, 16)).astype(np.float32)
+  labels = np.array([0, 1, 1, 0, 1, 0, 0, 1], np.int32)
+  ours = float(losses.acl_embed(features, labels, label_embeddings, temperature=TEMPERATURE))
+  theirs = float(torch_acl_embed(torch.from_numpy(features), torch.from_numpy(labels).long(),
+                                 torch.from_numpy(label_embeddings), TEMPERATURE))
+  return abs(ours - theirs)
+
+
+def run_pytorch(shape: str, objective: str, batch_np, args, config) -> dict:
+  """HF BertForSequenceClassification; `ce`: one backward; `acl`: two autograd.grad calls off
+  one forward, their float32 dot, and the drop gate."""
+  import torch  # pylint: disable=import-outside-toplevel
+  import transformers  # pylint: disable=import-outside-toplevel
+  from experiments import hf_pytorch_glue  # pylint: disable=import-outside-toplevel
+
+  device = torch.device(args.torch_device)
+  torch.manual_seed(0)
+  if args.pretrained_minilm and shape == "minilm":
+    model = transformers.BertForSequenceClassification.from_pretrained(
+        str(checkpoints.preset_dir(checkpoints.MINILM)), num_labels=2)
+  else:
+    model = transformers.BertForSequenceClassification(transformers.BertConfig(
+        vocab_size=VOCAB_SIZE, num_labels=2, **SHAPES[shape]))
+  model.to(device).train()
+  params = [p for p in model.parameters() if p.requires_grad]
+  optimizer = torch.optim.AdamW(
+      hf_pytorch_glue.decay_groups(model, config.weight_decay), lr=config.learning_rate,
+      betas=(config.adam_b1, config.adam_b2), eps=config.adam_eps)
+  total_steps = 1 + args.warmup + 2 * args.steps
+  scheduler = transformers.get_linear_schedule_with_warmup(
+      optimizer, int(np.ceil(config.warmup_ratio * total_steps)), total_steps)
+  batch = {k: torch.from_numpy(v).to(device) for k, v in batch_np.items()}
+  labels = batch["labels"].long()
+  kept = []
+
+  def forward():
+    # BertForSequenceClassification.forward, opened up: the contrastive term needs the pooled
+    # vector before dropout, as our model returns it.
+    pooled = model.bert(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                        token_type_ids=batch["token_type_ids"]).pooler_output
+    return pooled, model.classifier(model.dropout(pooled))
+
+  def ce_step():
+    _, logits = forward()
+    torch.nn.functional.cross_entropy(logits.float(), labels).backward()
+
+  def acl_step():
+    pooled, logits = forward()
+    ce = torch.nn.functional.cross_entropy(logits.float(), labels)
+    aux = AUX_WEIGHT * torch_acl_embed(pooled, labels, model.classifier.weight, TEMPERATURE)
+    g_ce = torch.autograd.grad(ce, params, retain_graph=True)
+    # The classifier bias does not reach the auxiliary term: its gradient is None.
+    g_aux = torch.autograd.grad(aux, params, allow_unused=True)
+    pairs = [(a, b) for a, b in zip(g_ce, g_aux) if b is not None]
+    dot = torch.stack([torch.dot(a.flatten().float(), b.flatten().float()) for a, b in pairs]
+                      ).sum()
+    keep = bool(dot >= 0)  # the one host sync; eager PyTorch branches on the value
+    kept.append(keep)
+    for p, a, b in zip(params, g_ce, g_aux):
+      p.grad = a.add_(b) if keep and b is not None else a
+
+  backward = {"ce": ce_step, "acl": acl_step}[objective]
+
+  def step():
+    backward()
+    torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+
+  def sync():
+    if device.type == "cuda":
+      torch.cuda.synchronize(device)
+
+  if device.type == "cuda":
+    torch.cuda.reset_peak_memory_stats(device)
+  start = time.perf_counter()
+  step()
+  sync()
+  first_s = time.perf_counter() - start
+  for _ in range(args.warmup):
+    step()
+  sync()
+  times = []
+  for _ in range(args.steps):
+    start = time.perf_counter()
+    step()
+    sync()
+    times.append(time.perf_counter() - start)
+  start = time.perf_counter()
+  for _ in range(args.steps):
+    step()
+  sync()
+  pipelined_s = (time.perf_counter() - start) / args.steps
+
+  row = {"framework": "pytorch", "backend": device.type,
+         "device_kind": (torch.cuda.get_device_name(device) if device.type == "cuda"
+                         else _host_cpu()),
+         **_timing(times, args.batch_size), "pipelined_step_s": pipelined_s,
+         "compile_s": first_s,  # eager: the first step's one-off costs, no compilation
+         "threads": torch.get_num_threads(),
+         "attn_implementation": model.config._attn_implementation,
+         "kept": float(np.mean(kept)) if kept else None}
+  if device.type == "cuda":
+    row["peak_device_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
+  del model, optimizer, scheduler, params, batch
+  return row
+
+
+def schedule(shapes, objectives, frameworks) -> list[tuple[str, str, str]]:
+  """(shape, objective, framework) in run order: both frameworks of an objective back to back,
+  and the framework that goes first flips from one shape to the next, so that slow drift of a
+  noisy machine does not always favour the same side of a ratio."""
+  runs = []
+  for i, shape in enumerate(shapes):
+    order = frameworks if i % 2 == 0 else frameworks[::-1]
+    for objective in objectives:
+      runs += [(shape, objective, fw) for fw in order
+               if fw == "jax" or objective in TORCH_OBJECTIVES]
+  return runs
+
+
+def ratio_rows(rows: list[dict]) -> list[dict]:
+  by_key = {(r["shape"], r["framework"], r["objective"]): r for r in rows}
+  out = []
+  for shape in dict.fromkeys(r["shape"] for r in rows):
+    for name, num, den, target in RATIOS:
+      a, b = by_key.get((shape, *num)), by_key.get((shape, *den))
+      if a is None or b is None:
+        continue
+      ratio = a["median_step_s"] / b["median_step_s"]
+      out.append({"kind": "ratio", "shape": shape, "name": name, "ratio": ratio,
+                  "target": f"<= {target}", "meets_target": ratio <= target,
+                  "numerator_median_step_s": a["median_step_s"],
+                  "denominator_median_step_s": b["median_step_s"],
+                  "batch": a["batch"], "seq_len": a["seq_len"]})
+  return out
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--shapes", help=f"comma-separated, of {', '.join(SHAPES)} "
+                 f"(default {DEFAULTS['shapes']}; --quick: {QUICK['shapes']})")
+  p.add_argument("--objectives", default=",".join(OBJECTIVES),
+                 help="comma-separated, of " + ", ".join(OBJECTIVES) +
+                 f" (PyTorch runs only {', '.join(TORCH_OBJECTIVES)})")
+  p.add_argument("--frameworks", default=",".join(FRAMEWORKS), help="jax, pytorch or both")
+  p.add_argument("--batch_size", type=int, help=f"default {DEFAULTS['batch_size']}")
+  p.add_argument("--seq_len", type=int, help=f"default {DEFAULTS['seq_len']}")
+  p.add_argument("--warmup", type=int, help="untimed steps after the first (compiling) one; "
+                 f"default {DEFAULTS['warmup']}")
+  p.add_argument("--steps", type=int, help=f"timed steps; default {DEFAULTS['steps']}")
+  p.add_argument("--threads", type=int, default=None,
+                 help="torch.set_num_threads (default: all usable cores). XLA sizes its own "
+                 "CPU pool to all cores; pin both with taskset instead.")
+  p.add_argument("--torch_device", default=None, help="default: cuda when available, else cpu")
+  p.add_argument("--pretrained_minilm", action="store_true",
+                 help="load the installed MiniLM weights for the minilm shape (same speed)")
+  p.add_argument("--seed", type=int, default=0, help="seed of the random batch")
+  p.add_argument("--quick", action="store_true",
+                 help="smoke test: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()) +
+                 "; flags given explicitly still win")
+  p.add_argument("--out", default=None, help="JSON-lines file to append every line to")
+  args = p.parse_args(argv)
+  for key, value in (QUICK if args.quick else DEFAULTS).items():
+    if getattr(args, key) is None:
+      setattr(args, key, value)
+  args.shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
+  args.objectives = [o.strip() for o in args.objectives.split(",") if o.strip()]
+  args.frameworks = [f.strip() for f in args.frameworks.split(",") if f.strip()]
+  for name, values, valid in (("shapes", args.shapes, SHAPES),
+                              ("objectives", args.objectives, OBJECTIVES),
+                              ("frameworks", args.frameworks, FRAMEWORKS)):
+    bad = [v for v in values if v not in valid]
+    if bad or not values:
+      p.error(f"--{name}: {bad or 'empty'}; valid: {', '.join(valid)}")
+  if args.steps < 1 or args.warmup < 0 or args.batch_size < 2 or args.seq_len < 5:
+    p.error("need --steps >= 1, --warmup >= 0, --batch_size >= 2, --seq_len >= 5")
+  return args
+
+
+def main(argv=None) -> list[dict]:
+  args = parse_args(argv)
+  config = glue.get_config("rte")  # the trainer's optimizer settings, for both frameworks
+  batch_np = make_batch(np.random.default_rng(args.seed), args.batch_size, args.seq_len)
+  meta = train.run_metadata()
+  common = {"batch": args.batch_size, "seq_len": args.seq_len, "warmup": args.warmup,
+            "steps": args.steps, "host_cpu": _host_cpu(),
+            "cpus_usable": len(os.sched_getaffinity(0)), "git_commit": meta["git_commit"],
+            "python": meta["python"]}
+  versions = {"jax": {k: meta["versions"][k] for k in ("jax", "jaxlib", "flax", "optax")}}
+  if "pytorch" in args.frameworks:
+    import torch  # pylint: disable=import-outside-toplevel
+    import transformers  # pylint: disable=import-outside-toplevel
+    torch.set_num_threads(args.threads or common["cpus_usable"])
+    args.torch_device = args.torch_device or ("cuda" if torch.cuda.is_available() else "cpu")
+    versions["pytorch"] = {"torch": torch.__version__, "transformers": transformers.__version__}
+    error = check_torch_acl_embed()
+    if error > 1e-4:
+      raise SystemExit(f"the torch ACL-Embed port disagrees with acl_jax.losses by {error}")
+
+  load = os.getloadavg()[0]
+  if load > 0.5:
+    # PyTorch's OpenMP threads slowed down up to 25x, and erratically, beside a busy process.
+    print(f"warning: 1-minute load average {load:.1f} before the benchmark: another process is "
+          "using the CPU, so step times and ratios are unreliable", file=sys.stderr)
+
+  out = None
+  if args.out:
+    out_path = pathlib.Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out = open(out_path, "a")
+
+  def emit(row):
+    line = json.dumps(row)
+    print(line, flush=True)
+    if out:
+      out.write(line + "\n")
+      out.flush()
+
+  rows = []
+  runners = {"jax": run_jax, "pytorch": run_pytorch}
+  for shape, objective, framework in schedule(args.shapes, args.objectives, args.frameworks):
+    # Whatever the last configuration left behind goes first, so it is neither timed nor
+    # counted in this one's peak memory.
+    gc.collect()
+    load_before = os.getloadavg()[0]
+    rss_before = _rss_mib()
+    reset = _reset_peak_rss()
+    measured = runners[framework](shape, objective, batch_np, args, config)
+    row = {"kind": "step", "framework": framework, "shape": shape, "objective": objective,
+           **SHAPES[shape], "vocab_size": VOCAB_SIZE, **common, **measured,
+           "peak_rss_mib": _peak_rss_mib(), "rss_before_mib": rss_before,
+           # False: the kernel kept the process-wide peak, an upper bound for this config.
+           "peak_rss_is_per_config": reset,
+           # Anything else on the CPU skews the comparison (see the README).
+           "load_avg_1m_before": load_before,
+           "versions": versions[framework], "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    rows.append(row)
+    emit(row)
+  gc.collect()
+  for row in ratio_rows(rows):
+    emit(row)
+  if out:
+    out.close()
+  return rows
+
+
+if __name__ == "__main__":
+  main()
