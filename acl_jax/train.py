@@ -232,10 +232,10 @@ def validate_config(config) -> None:
 
 
 class MetricsWriter:
-  """Appends one JSON object per line to <workdir>/metrics.jsonl."""
+  """Writes one JSON object per line to <workdir>/metrics.jsonl (a fresh run starts it anew)."""
 
   def __init__(self, path: pathlib.Path):
-    self._file = open(path, "a")
+    self._file = open(path, "w")
 
   def write(self, step: int, values: dict[str, Any]) -> None:
     row = {"step": int(step), **{k: _to_python(v) for k, v in values.items()}}
