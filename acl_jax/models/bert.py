@@ -89,7 +89,8 @@ class _BertModule(nn.Module):
   dtype: Dtype = jnp.float32
   precision: jax.lax.PrecisionLike = None
 
-  def _child(self, cls: type["_BertModule"], name: str) -> "_BertModule":
+  def _child(self, cls: type["_BertModule"], name: str | None = None) -> "_BertModule":
+    # name=None inside setup(): the attribute the child is assigned to names it.
     return cls(self.config, self.dtype, self.precision, name=name)
 
   def _dense(self, features: int, name: str = "dense") -> nn.Dense:
@@ -229,25 +230,56 @@ class BertModel(_BertModule):
     hidden_states: L+1 arrays [B, T, H], the embedding output then each layer's output
       (HF's output_hidden_states); last_hidden_state: the final one;
     pooled: [B, H], only when add_pooler.
+
+  `embed` and `pool` expose the first and last stages on their own: multi-exit BERT pools
+  every exit's hidden state with this one pooler, and early exit starts from `embed`.
   """
   add_pooler: bool = True
 
-  @nn.compact
-  def __call__(self, input_ids: Array, attention_mask: Array | None = None,
-               token_type_ids: Array | None = None, *,
-               deterministic: bool = True) -> dict[str, Any]:
+  def setup(self):
+    self.embeddings = self._child(BertEmbeddings)
+    self.encoder = self._child(BertEncoder)
+    if self.add_pooler:
+      self.pooler = self._child(BertPooler)
+
+  def embed(self, input_ids: Array, attention_mask: Array | None = None,
+            token_type_ids: Array | None = None, *,
+            deterministic: bool = True) -> tuple[Array, Array]:
+    """The embedding output [B, T, H] and the attention bias [B, 1, 1, T] every layer takes."""
     if attention_mask is None:
       attention_mask = jnp.ones_like(input_ids)
     if token_type_ids is None:
       token_type_ids = jnp.zeros_like(input_ids)
-    embedded = self._child(BertEmbeddings, "embeddings")(input_ids, token_type_ids,
-                                                         deterministic=deterministic)
-    hidden_states = self._child(BertEncoder, "encoder")(
-        embedded, attention_bias(attention_mask), deterministic=deterministic)
+    embedded = self.embeddings(input_ids, token_type_ids, deterministic=deterministic)
+    return embedded, attention_bias(attention_mask)
+
+  def pool(self, hidden: Array) -> Array:
+    """The pooler (dense + tanh on [CLS]) of any layer's output [B, T, H] -> [B, H]."""
+    if not self.add_pooler:
+      raise ValueError("pool() needs a BertModel built with add_pooler=True")
+    return self.pooler(hidden)
+
+  def __call__(self, input_ids: Array, attention_mask: Array | None = None,
+               token_type_ids: Array | None = None, *,
+               deterministic: bool = True) -> dict[str, Any]:
+    embedded, bias = self.embed(input_ids, attention_mask, token_type_ids,
+                                deterministic=deterministic)
+    hidden_states = self.encoder(embedded, bias, deterministic=deterministic)
     outputs = {"hidden_states": hidden_states, "last_hidden_state": hidden_states[-1]}
     if self.add_pooler:
-      outputs["pooled"] = self._child(BertPooler, "pooler")(hidden_states[-1])
+      outputs["pooled"] = self.pool(hidden_states[-1])
     return outputs
+
+
+def classifier_dense(config: BertConfig, num_labels: int,
+                     precision: jax.lax.PrecisionLike = None) -> nn.Dense:
+  """The task head's Dense (HF `classifier`): float32, kernel ~ normal(initializer_range).
+
+  Its kernel is [H, K]: the transpose's rows are the per-class vectors ACL uses as label
+  embeddings.
+  """
+  return nn.Dense(num_labels, dtype=jnp.float32, param_dtype=jnp.float32, precision=precision,
+                  kernel_init=nn.initializers.normal(config.initializer_range), name="classifier")
 
 
 class BertForSequenceClassification(nn.Module):
@@ -272,8 +304,5 @@ class BertForSequenceClassification(nn.Module):
     rate = (self.config.hidden_dropout_prob if self.classifier_dropout is None
             else self.classifier_dropout)
     dropped = nn.Dropout(rate)(pooled, deterministic=deterministic)
-    logits = nn.Dense(self.num_labels, dtype=jnp.float32, param_dtype=jnp.float32,
-                      precision=self.precision,
-                      kernel_init=nn.initializers.normal(self.config.initializer_range),
-                      name="classifier")(dropped)
+    logits = classifier_dense(self.config, self.num_labels, self.precision)(dropped)
     return {"logits": logits, "pooled": pooled, "hidden_states": encoded["hidden_states"]}
