@@ -26,6 +26,7 @@ from acl_jax import gradients
 from acl_jax import losses
 from acl_jax import metrics as metrics_lib
 from acl_jax.models import bert
+from acl_jax.models import multi_exit
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 PRECISIONS = {"default": None, "high": jax.lax.Precision.HIGH,
@@ -67,11 +68,13 @@ class Objective:
   """What a training objective adds to the task loss, and how its gradient is gated.
 
   aux: the auxiliary loss (None: the task loss alone); gate: gradients.combine mode;
-  ce_weight: "1-lambda" for the SCL baseline's convex mix (1-l) CE + l SCL, else CE + l aux.
+  ce_weight: "1-lambda" for the SCL baseline's convex mix (1-l) CE + l SCL, else CE + l aux;
+  multi_exit_only: needs exits to distil or contrast between.
   """
   aux: str | None = None
   gate: str = "none"
   ce_weight: str = "1"
+  multi_exit_only: bool = False
 
 
 OBJECTIVES = {
@@ -80,7 +83,14 @@ OBJECTIVES = {
     "acl_embed": Objective(aux="acl_embed"),               # ACL-Embed without gating
     "acl": Objective(aux="acl_embed", gate="drop"),        # ACL-BERT: ACL-Embed + ACL-Grad
     "acl_project": Objective(aux="acl_embed", gate="project"),  # PCGrad-style ablation
+    # Multi-exit: self-distillation from the last exit (baseline); ACL-Embed + ACL-CL, gated;
+    # DeeBERT's two stages (final exit, then the other exits on a frozen backbone).
+    "kd": Objective(aux="kd", multi_exit_only=True),
+    "acl_cl": Objective(aux="acl_cl", gate="drop", multi_exit_only=True),
+    "deebert": Objective(multi_exit_only=True),
 }
+GATE_GRANULARITIES = ("per_exit", "global")
+TEACHERS = ("last", "deeper")
 
 
 def task_loss(task: data.TaskSpec, logits, labels, mask) -> jax.Array:
@@ -89,50 +99,127 @@ def task_loss(task: data.TaskSpec, logits, labels, mask) -> jax.Array:
   return losses.cross_entropy(logits, labels, mask=mask)
 
 
+def exit_outputs(model, out, params) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(logits [E, B, K], pooled [E, B, H], label embeddings [E, K, H]) for either model.
+
+  A single-exit classifier is the one-exit case, so every objective has one implementation.
+  """
+  if isinstance(model, multi_exit.MultiExitBert):
+    return (out["logits"], out["pooled"],
+            multi_exit.label_embeddings(params, model.resolved_exit_layers()))
+  return out["logits"][None], out["pooled"][None], params["classifier"]["kernel"].T[None]
+
+
+def num_exits(model) -> int:
+  if isinstance(model, multi_exit.MultiExitBert):
+    return len(model.resolved_exit_layers())
+  return 1
+
+
 def make_train_step(model, tx, schedule, task: data.TaskSpec, *, objective: str = "ce",
                     aux_weight: float = 0.5, temperature: float = 0.3, anchors: str = "all",
-                    measure_conflict: bool = False):
+                    measure_conflict: bool = False, exit_weights=None,
+                    gate_granularity: str = "per_exit", cl_weight: float = 0.5,
+                    teacher: str = "last", kd_temperature: float = 2.0, gate_chunk: int = 1):
   """Returns the pure step (state, batch, rng) -> (state, metrics), to be jitted once.
 
-  With a gate (or measure_conflict, for the pilot experiment) the step takes one forward pass
-  and one jax.vjp of the stacked loss vector [w_ce * CE, lambda * aux], pulls back both unit
-  cotangents from that single vjp (same dropout masks for both gradients), and combines the
-  two gradient pytrees with acl_jax.gradients.combine. Without one, the summed loss has one
-  ordinary backward pass.
+  The loss is a vector: for every exit e, w_e * CE_e and w_e * aux_e (aux_e already carries
+  lambda, and mu for ACL-CL). With a gate (or measure_conflict, for the pilot experiment) the
+  step takes one forward pass and one jax.vjp of that vector and pulls unit cotangents back
+  through the single vjp, so every gradient sees the same dropout masks:
+    - one exit, or gate_granularity="global": 2 cotangents (all CE rows, all aux rows), one
+      gate decision;
+    - "per_exit": exit by exit, gate_chunk exits (2 * gate_chunk gradient pytrees) at a time
+      inside a lax.scan that accumulates the gated sum, so memory stays bounded however many
+      exits there are.
+  Without a gate the summed loss has one ordinary backward pass.
+  exit_weights: [E] weights (multi_exit.exit_weights); None = 1 for the single exit.
   """
   spec = OBJECTIVES[objective]
   two_gradients = spec.aux is not None and (spec.gate != "none" or measure_conflict)
   ce_weight = 1.0 - aux_weight if spec.ce_weight == "1-lambda" else 1.0
   main_name = "mse" if task.is_regression else "ce"
+  n_exits = num_exits(model)
+  weights = jnp.asarray(np.ones(1) if exit_weights is None else exit_weights, jnp.float32)
+  if weights.shape != (n_exits,):
+    raise ValueError(f"exit_weights has shape {weights.shape}; the model has {n_exits} exits")
+  shallow = jnp.arange(n_exits) < n_exits - 1  # exits that have a deeper teacher
+
+  def auxiliary(logits, pooled, label_emb, batch) -> jax.Array:
+    """[E] auxiliary terms, weights lambda (and mu) included."""
+    labels, mask = batch["labels"], batch["mask"]
+    if spec.aux == "scl":
+      return aux_weight * jax.vmap(
+          lambda h: losses.scl(h, labels, temperature=temperature, mask=mask))(pooled)
+    if spec.aux == "kd":
+      distil = jax.vmap(lambda z: losses.kd(z, logits[-1], temperature=kd_temperature,
+                                            mask=mask))(logits)
+      return aux_weight * jnp.where(shallow, distil, 0.0)
+    embed = jax.vmap(lambda h, l: losses.acl_embed(
+        h, labels, l, temperature=temperature, mask=mask, anchors=anchors))(pooled, label_emb)
+    if spec.aux == "acl_embed":
+      return aux_weight * embed
+    # ACL-CL: student e against teacher t; [E, E] pairs, kept where t is e's teacher.
+    pair = lambda hs, ls, ht, lt: losses.acl_cl(hs, ls, ht, lt, labels,
+                                                temperature=temperature, mask=mask)
+    if teacher == "last":
+      contrast = jax.vmap(pair, in_axes=(0, 0, None, None))(pooled, label_emb, pooled[-1],
+                                                            label_emb[-1])
+    else:
+      grid = jax.vmap(jax.vmap(pair, in_axes=(None, None, 0, 0)),
+                      in_axes=(0, 0, None, None))(pooled, label_emb, pooled, label_emb)
+      deeper = jnp.triu(jnp.ones((n_exits, n_exits), bool), k=1)
+      contrast = (jnp.where(deeper, grid, 0.0).sum(1)
+                  / jnp.maximum(deeper.sum(1), 1).astype(jnp.float32))
+    return aux_weight * embed + cl_weight * jnp.where(shallow, contrast, 0.0)
 
   def loss_vector(params, batch, dropout_rng):
     out = model.apply({"params": params}, *(batch[k] for k in MODEL_INPUTS),
                       deterministic=False, rngs={"dropout": dropout_rng})
-    main = task_loss(task, out["logits"], batch["labels"], batch["mask"])
+    logits, pooled, label_emb = exit_outputs(model, out, params)
+    main = jax.vmap(lambda z: task_loss(task, z, batch["labels"], batch["mask"]))(logits)
     terms = {main_name: main}
     if spec.aux is None:
-      return main[None], terms
-    if spec.aux == "scl":
-      aux = losses.scl(out["pooled"], batch["labels"], temperature=temperature,
-                       mask=batch["mask"])
-    else:
-      # Label embeddings are the classifier's rows (kernel is [d, K]), trained by both terms.
-      aux = losses.acl_embed(out["pooled"], batch["labels"], params["classifier"]["kernel"].T,
-                             temperature=temperature, mask=batch["mask"], anchors=anchors)
+      return weights * ce_weight * main, terms
+    aux = auxiliary(logits, pooled, label_emb, batch)
     terms["aux"] = aux
-    return jnp.stack([ce_weight * main, aux_weight * aux]), terms
+    return jnp.concatenate([weights * ce_weight * main, weights * aux]), terms
+
+  def gated_grads(loss_vec, pull_back, params):
+    """The gated gradient and per-decision info (dot, cosine, kept), from one vjp."""
+    if n_exits == 1 or gate_granularity == "global":
+      rows = jnp.repeat(jnp.eye(2, dtype=loss_vec.dtype), n_exits, axis=1)
+      (stacked,) = jax.vmap(pull_back)(rows)  # a batched backward pass for both cotangents
+      g_main, g_aux = (jax.tree.map(lambda g, i=i: g[i], stacked) for i in range(2))
+      return gradients.combine(g_main, g_aux, mode=spec.gate)
+    chunks = -(-n_exits // gate_chunk)
+    # Exit e's cotangents are rows e (CE) and E + e (aux) of the identity; padding exits get
+    # zero rows, whose zero gradients add nothing.
+    eye = jnp.eye(2 * n_exits, dtype=loss_vec.dtype)
+    pad = jnp.zeros((chunks * gate_chunk - n_exits, 2 * n_exits), loss_vec.dtype)
+    main_rows = jnp.concatenate([eye[:n_exits], pad]).reshape(chunks, gate_chunk, -1)
+    aux_rows = jnp.concatenate([eye[n_exits:], pad]).reshape(chunks, gate_chunk, -1)
+
+    def chunk(total, rows):
+      (stacked,) = jax.vmap(pull_back)(jnp.concatenate(rows))
+      pick = lambda i: jax.tree.map(lambda g: g[i], stacked)
+      gated, infos = zip(*(gradients.combine(pick(i), pick(gate_chunk + i), mode=spec.gate)
+                           for i in range(gate_chunk)))
+      total = jax.tree.map(lambda t, *g: t + sum(g), total, *gated)
+      return total, jax.tree.map(lambda *v: jnp.stack(v), *infos)
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    grads, info = jax.lax.scan(chunk, zeros, (main_rows, aux_rows))
+    return grads, jax.tree.map(lambda v: v.reshape(-1)[:n_exits], info)
 
   def train_step(state: TrainState, batch, rng):
     dropout_rng = jax.random.fold_in(rng, state.step)
     if two_gradients:
       loss_vec, pull_back, terms = jax.vjp(
           lambda p: loss_vector(p, batch, dropout_rng), state.params, has_aux=True)
-      # Both rows of the identity through the one vjp: a batched backward pass.
-      (stacked,) = jax.vmap(pull_back)(jnp.eye(2, dtype=loss_vec.dtype))
-      g_main = jax.tree.map(lambda g: g[0], stacked)
-      g_aux = jax.tree.map(lambda g: g[1], stacked)
-      grads, gate = gradients.combine(g_main, g_aux, mode=spec.gate)
-      loss = loss_vec[0] + gate["kept"] * loss_vec[1] if spec.gate == "drop" else loss_vec.sum()
+      grads, gate = gated_grads(loss_vec, pull_back, state.params)
+      kept = gate["kept"] if spec.gate == "drop" else 1.0
+      loss = loss_vec[:n_exits].sum() + (kept * loss_vec[n_exits:]).sum()
       terms.update(gate)
     else:
       (loss, terms), grads = jax.value_and_grad(
@@ -140,6 +227,8 @@ def make_train_step(model, tx, schedule, task: data.TaskSpec, *, objective: str 
           has_aux=True)(state.params)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
+    if n_exits == 1:  # one exit logs scalars, as a single-exit model should
+      terms = jax.tree.map(lambda v: v.reshape(()) if v.size == 1 else v, terms)
     step_metrics = {"loss": loss, **terms, "grad_norm": optax.tree.norm(grads),
                     "lr": schedule(state.step)}
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), step_metrics
