@@ -44,13 +44,19 @@ class TrainState:
 def decay_mask(params) -> Any:
   """True where AdamW applies weight decay: not on biases and not on LayerNorm parameters."""
   def decays(path, _):
-    names = [getattr(k, "key", str(k)) for k in path]
+    names = _path_names(path)
     return names[-1] != "bias" and "LayerNorm" not in names
   return jax.tree_util.tree_map_with_path(decays, params)
 
 
-def create_optimizer(config, total_steps: int) -> tuple[optax.GradientTransformation, Callable]:
-  """AdamW with linear warm-up then linear decay to 0, after global-norm clipping."""
+def create_optimizer(config, total_steps: int, *, frozen: Callable | None = None
+                     ) -> tuple[optax.GradientTransformation, Callable]:
+  """AdamW with linear warm-up then linear decay to 0, after global-norm clipping.
+
+  frozen(path) -> bool marks parameters the optimizer must leave untouched (DeeBERT's second
+  stage): an optax partition sends them to set_to_zero, so neither their update nor their
+  weight decay nor their share of the clipping norm exists.
+  """
   warmup = int(math.ceil(config.warmup_ratio * total_steps))
   schedule = optax.join_schedules(
       [optax.linear_schedule(0.0, config.learning_rate, warmup),
@@ -60,7 +66,15 @@ def create_optimizer(config, total_steps: int) -> tuple[optax.GradientTransforma
       optax.clip_by_global_norm(config.max_grad_norm),
       optax.adamw(schedule, b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps,
                   weight_decay=config.weight_decay, mask=decay_mask))
+  if frozen is not None:
+    labels = lambda params: jax.tree_util.tree_map_with_path(
+        lambda path, _: "frozen" if frozen(_path_names(path)) else "trained", params)
+    tx = optax.multi_transform({"trained": tx, "frozen": optax.set_to_zero()}, labels)
   return tx, schedule
+
+
+def _path_names(path) -> tuple[str, ...]:
+  return tuple(getattr(k, "key", str(k)) for k in path)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,24 +250,82 @@ def make_train_step(model, tx, schedule, task: data.TaskSpec, *, objective: str 
   return train_step
 
 
+def build_model(config, bert_config: bert.BertConfig, task: data.TaskSpec):
+  common = dict(config=bert_config, num_labels=task.num_labels, dtype=DTYPES[config.dtype],
+                precision=PRECISIONS[config.matmul_precision])
+  if config.multi_exit:
+    return multi_exit.MultiExitBert(exit_layers=tuple(config.exit_layers) or None,
+                                    pooler=config.pooler, **common)
+  return bert.BertForSequenceClassification(**common)
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+  """One optimization phase: its objective, exit weights, and what it keeps frozen."""
+  name: str
+  objective: str
+  exit_weights: np.ndarray | None
+  frozen: Callable[[tuple[str, ...]], bool] | None = None
+
+
+def stages_of(config, model) -> list[Stage]:
+  """One stage, except DeeBERT: the final exit with the whole model, then every other exit
+  with the backbone and the final exit frozen (as many steps again)."""
+  if not config.multi_exit:
+    return [Stage("train", config.objective, None)]
+  layers = model.resolved_exit_layers()
+  if config.objective != "deebert":
+    return [Stage("train", config.objective,
+                  multi_exit.exit_weights(config.exit_weights, layers))]
+  final = np.zeros(len(layers), np.float32)
+  final[-1] = 1.0
+  others = multi_exit.exit_weights(config.exit_weights, layers[:-1])
+  frozen_roots = ("bert", f"exit_{layers[-1]}")
+  return [Stage("final_exit", "ce", final),
+          Stage("other_exits", "ce", np.append(others, 0.0).astype(np.float32),
+                frozen=lambda names: names[0] in frozen_roots)]
+
+
+def main_metric_name(model, task: data.TaskSpec) -> str:
+  """The metric that picks the best step: the exits' average for a multi-exit model."""
+  if isinstance(model, multi_exit.MultiExitBert):
+    return f"avg/{task.main_metric}"
+  return task.main_metric
+
+
 def make_eval_step(model, task: data.TaskSpec):
+  """Predictions [B], or [E, B] with one row per exit for a multi-exit model."""
   def eval_step(params, batch):
     logits = model.apply({"params": params}, *(batch[k] for k in MODEL_INPUTS),
                          deterministic=True)["logits"]
-    return logits[:, 0] if task.is_regression else jnp.argmax(logits, axis=-1)
+    return logits[..., 0] if task.is_regression else jnp.argmax(logits, axis=-1)
   return eval_step
 
 
-def evaluate(eval_step, params, encoded, task, *, batch_size, boundaries) -> dict[str, float]:
-  """Dev metrics over every example exactly once (padded rows are masked out)."""
+def evaluate(eval_step, params, encoded, task, *, batch_size, boundaries,
+             exit_layers: tuple[int, ...] | None = None) -> dict[str, float]:
+  """Dev metrics over every example exactly once (padded rows are masked out).
+
+  A multi-exit model gets `exit<e>/<metric>` for every exit and `avg/<metric>`, the mean over
+  exits (the multi-exit papers' summary number).
+  """
   predictions, labels, mask = [], [], []
   for batch in data.eval_batches(encoded, batch_size=batch_size, boundaries=boundaries):
     inputs = {k: batch[k] for k in MODEL_INPUTS}
     predictions.append(eval_step(params, inputs))
     labels.append(batch["labels"])
     mask.append(batch["mask"])
-  predictions = np.concatenate(jax.device_get(predictions))
-  return metrics_lib.compute(task, predictions, np.concatenate(labels), np.concatenate(mask))
+  predictions = np.concatenate(jax.device_get(predictions), axis=-1)
+  labels, mask = np.concatenate(labels), np.concatenate(mask)
+  if predictions.ndim == 1:
+    return metrics_lib.compute(task, predictions, labels, mask)
+  layers = exit_layers or tuple(range(1, len(predictions) + 1))
+  per_exit = [metrics_lib.compute(task, p, labels, mask) for p in predictions]
+  results = {f"exit{layer}/{name}": value
+             for layer, values in zip(layers, per_exit) for name, value in values.items()}
+  results.update({f"avg/{name}": float(np.mean([values[name] for values in per_exit]))
+                  for name in per_exit[0]})
+  return results
 
 
 def _git_commit() -> str | None:
@@ -303,6 +375,20 @@ def validate_config(config) -> None:
   """Fails fast, before any loading, on values that would otherwise fail deep inside."""
   if config.objective not in OBJECTIVES:
     raise ValueError(f"config.objective={config.objective!r}; valid: {', '.join(OBJECTIVES)}.")
+  if OBJECTIVES[config.objective].multi_exit_only and not config.multi_exit:
+    raise ValueError(f"config.objective={config.objective!r} needs a multi-exit model: add the "
+                     f"`multi_exit` preset (configs/glue.py:<task>,multi_exit,objective=...).")
+  if config.gate not in GATE_GRANULARITIES:
+    raise ValueError(f"config.gate={config.gate!r}; valid: {', '.join(GATE_GRANULARITIES)}.")
+  if config.teacher not in TEACHERS:
+    raise ValueError(f"config.teacher={config.teacher!r}; valid: {', '.join(TEACHERS)}.")
+  if config.exit_weights not in multi_exit.EXIT_WEIGHTS:
+    raise ValueError(f"config.exit_weights={config.exit_weights!r}; valid: "
+                     f"{', '.join(multi_exit.EXIT_WEIGHTS)}.")
+  if config.pooler not in multi_exit.POOLERS:
+    raise ValueError(f"config.pooler={config.pooler!r}; valid: {', '.join(multi_exit.POOLERS)}.")
+  if config.gate_chunk < 1:
+    raise ValueError(f"config.gate_chunk={config.gate_chunk} must be >= 1 (exits per chunk).")
   if OBJECTIVES[config.objective].aux and data.get_task(config.task).is_regression:
     raise ValueError(f"config.objective={config.objective!r} is contrastive and needs class "
                      f"labels; {config.task} is a regression task: use objective=ce (MSE).")
@@ -381,92 +467,99 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   logging.info("Task %s: %d train examples, %d steps/epoch, %d steps; devices %s",
                task.name, len(train_data.lengths), steps_per_epoch, total_steps, meta["devices"])
 
-  model = bert.BertForSequenceClassification(
-      config=bert_config, num_labels=task.num_labels, dtype=DTYPES[config.dtype],
-      precision=PRECISIONS[config.matmul_precision])
+  model = build_model(config, bert_config, task)
   init_rng, dropout_rng = jax.random.split(jax.random.key(config.seed))
   dummy = jnp.zeros((1, 8), jnp.int32)
   params = jax.jit(model.init)(init_rng, dummy, dummy, dummy)["params"]
   params["bert"] = jax.tree.map(jnp.asarray, pretrained)
-
-  tx, schedule = create_optimizer(config, total_steps)
-  state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
-  train_step = jax.jit(make_train_step(
-      model, tx, schedule, task, objective=config.objective, aux_weight=config["lambda"],
-      temperature=config.temperature, anchors=config.anchors,
-      measure_conflict=config.measure_conflict), donate_argnums=0)
+  if config.multi_exit and config.pooler == "per_exit":
+    params = multi_exit.init_per_exit_poolers(params)
   eval_step = jax.jit(make_eval_step(model, task))
-
-  def run_eval() -> dict[str, dict[str, float]]:
-    return {split: evaluate(eval_step, state.params, encoded, task,
-                            batch_size=config.eval_batch_size, boundaries=boundaries)
-            for split, encoded in eval_data.items()}
+  main_split = next(iter(task.eval_splits))
+  main_metric = main_metric_name(model, task)
+  exit_layers = model.resolved_exit_layers() if config.multi_exit else None
 
   writer = MetricsWriter(workdir / "metrics.jsonl")
-  main_split = next(iter(task.eval_splits))
+  progress = tqdm.tqdm(total=total_steps * len(stages_of(config, model)),
+                       desc=f"{task.name} train", unit="step", dynamic_ncols=True, disable=None)
   history, best = [], None
-  step, window, window_examples, train_examples = 0, [], 0.0, 0.0
-  train_seconds, window_start = 0.0, time.perf_counter()
-  progress = tqdm.tqdm(total=total_steps, desc=f"{task.name} train", unit="step",
-                       dynamic_ncols=True, disable=None)
-  epoch = 0
-  while step < total_steps:
-    for batch in data.train_batches(train_data, batch_size=config.batch_size,
-                                    boundaries=boundaries, seed=config.seed, epoch=epoch):
-      if step >= total_steps:
-        break
-      valid = float(batch["mask"].sum())
-      inputs = {k: batch[k] for k in (*MODEL_INPUTS, "labels", "mask")}
-      state, step_metrics = train_step(state, inputs, dropout_rng)
-      step += 1
-      window.append(step_metrics)
-      window_examples += valid
-      progress.update(1)
+  step, epoch, train_seconds, train_examples, compilations = 0, 0, 0.0, 0.0, 0
+  for stage_index, stage in enumerate(stages_of(config, model)):
+    tx, schedule = create_optimizer(config, total_steps, frozen=stage.frozen)
+    state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+    train_step = jax.jit(make_train_step(
+        model, tx, schedule, task, objective=stage.objective, aux_weight=config["lambda"],
+        temperature=config.temperature, anchors=config.anchors,
+        measure_conflict=config.measure_conflict, exit_weights=stage.exit_weights,
+        gate_granularity=config.gate, cl_weight=config.cl_weight, teacher=config.teacher,
+        kd_temperature=config.kd_temperature, gate_chunk=config.gate_chunk), donate_argnums=0)
+    stage_rng = jax.random.fold_in(dropout_rng, stage_index)
+    stage_end = step + total_steps
+    window, window_examples, window_start = [], 0.0, time.perf_counter()
+    while step < stage_end:
+      for batch in data.train_batches(train_data, batch_size=config.batch_size,
+                                      boundaries=boundaries, seed=config.seed, epoch=epoch):
+        if step >= stage_end:
+          break
+        valid = float(batch["mask"].sum())
+        inputs = {k: batch[k] for k in (*MODEL_INPUTS, "labels", "mask")}
+        state, step_metrics = train_step(state, inputs, stage_rng)
+        step += 1
+        window.append(step_metrics)
+        window_examples += valid
+        progress.update(1)
 
-      last = step == total_steps
-      if step % config.log_every == 0 or last or step % eval_every == 0:
-        window = jax.device_get(window)  # the only host sync between evaluations
-        elapsed = time.perf_counter() - window_start
-        train_seconds += elapsed
-        train_examples += window_examples
-        logged = {k: float(np.mean([m[k] for m in window])) for k in window[0]}
-        logged["lr"] = window[-1]["lr"]
-        logged.update(epoch=epoch, examples_per_s=window_examples / elapsed,
-                      compilations=train_step._cache_size())
-        writer.write(step, logged)
-        progress.set_postfix(loss=f"{logged['loss']:.4f}", ex_s=f"{logged['examples_per_s']:.0f}")
-        if progress.disable:  # no terminal (batch jobs, nohup): progress goes to the log
-          logging.info("step %d/%d epoch %d: loss %.4f, %.1f examples/s", step, total_steps,
-                       epoch, logged["loss"], logged["examples_per_s"])
-        window, window_examples = [], 0.0
+        last = step == stage_end
+        if step % config.log_every == 0 or last or step % eval_every == 0:
+          window = jax.device_get(window)  # the only host sync between evaluations
+          elapsed = time.perf_counter() - window_start
+          train_seconds += elapsed
+          train_examples += window_examples
+          # Means over the window, per exit where a term has one value per exit.
+          logged = {k: np.mean([m[k] for m in window], axis=0) for k in window[0]}
+          logged["lr"] = window[-1]["lr"]
+          logged.update(epoch=epoch, stage=stage.name, examples_per_s=window_examples / elapsed,
+                        compilations=compilations + train_step._cache_size())
+          writer.write(step, logged)
+          loss = float(logged["loss"])
+          progress.set_postfix(loss=f"{loss:.4f}", ex_s=f"{logged['examples_per_s']:.0f}")
+          if progress.disable:  # no terminal (batch jobs, nohup): progress goes to the log
+            logging.info("step %d/%d epoch %d: loss %.4f, %.1f examples/s", step,
+                         progress.total, epoch, loss, logged["examples_per_s"])
+          window, window_examples = [], 0.0
 
-        if step % eval_every == 0 or last:
-          results = run_eval()
-          writer.write(step, {f"eval/{split}/{name}": value
-                              for split, values in results.items()
-                              for name, value in values.items()})
-          history.append({"step": step, **results})
-          main = results[main_split][task.main_metric]
-          if best is None or main > best[main_split][task.main_metric]:
-            best = {"step": step, **results}
-          progress.write(f"step {step}: " + ", ".join(
-              f"{split} {name}={value:.4f}" for split, values in results.items()
-              for name, value in values.items()))
-        window_start = time.perf_counter()
-    epoch += 1
+          if step % eval_every == 0 or last:
+            results = {split: evaluate(eval_step, state.params, encoded, task,
+                                       batch_size=config.eval_batch_size,
+                                       boundaries=boundaries, exit_layers=exit_layers)
+                       for split, encoded in eval_data.items()}
+            writer.write(step, {f"eval/{split}/{name}": value
+                                for split, values in results.items()
+                                for name, value in values.items()})
+            history.append({"step": step, "stage": stage.name, **results})
+            if best is None or results[main_split][main_metric] > best[main_split][main_metric]:
+              best = history[-1]
+            progress.write(f"step {step}: " + ", ".join(
+                f"{split} {name}={value:.4f}" for split, values in results.items()
+                for name, value in values.items()))
+          window_start = time.perf_counter()
+      epoch += 1
+    params = state.params
+    compilations += train_step._cache_size()
   progress.close()
   writer.close()
 
   eval_results = {
       "task": task.name,
-      "main_metric": f"{main_split}/{task.main_metric}",
+      "main_metric": f"{main_split}/{main_metric}",
       "final": history[-1],
       "best": best,
       "history": history,
       "train": {"steps": step, "epochs_started": epoch, "seconds": train_seconds,
                 "examples": train_examples, "examples_per_s": train_examples / train_seconds,
-                "compilations": train_step._cache_size()},
+                "compilations": compilations},
   }
   (workdir / "eval_results.json").write_text(json.dumps(eval_results, indent=2) + "\n")
-  logging.info("Final %s; best %s at step %d", history[-1], best[main_split], best["step"])
+  logging.info("Final %s; best %s at step %d", history[-1], best[main_split][main_metric],
+               best["step"])
   return eval_results

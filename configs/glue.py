@@ -36,7 +36,13 @@ PRESET_KEYS = {
     "lambda": float,
     "temperature": float,
     "anchors": str,
+    "gate": str,
+    "exit_weights": str,
+    "pooler": str,
+    "teacher": str,
 }
+# Bare words in the config string that switch a boolean field on.
+FLAG_PRESETS = ("multi_exit",)
 # Preset names that differ from the config field they set.
 _FIELD = {"epochs": "num_epochs", "lr": "learning_rate"}
 
@@ -46,6 +52,9 @@ def parse_preset(arg: str | None) -> tuple[str, dict[str, str]]:
   task, presets = None, {}
   for token in filter(None, (t.strip() for t in (arg or "").split(","))):
     key, sep, value = token.partition("=")
+    if not sep and token in FLAG_PRESETS:
+      presets[token] = "true"
+      continue
     if not sep:
       if task is not None:
         raise ValueError(f"Config string {arg!r}: two task names, {task!r} and {token!r}.")
@@ -53,7 +62,8 @@ def parse_preset(arg: str | None) -> tuple[str, dict[str, str]]:
       continue
     if key not in PRESET_KEYS:
       raise ValueError(f"Config string {arg!r}: unknown preset {key!r}; valid presets are "
-                       f"{', '.join(sorted(PRESET_KEYS))} (or use --config.<field>=value).")
+                       f"{', '.join(sorted(PRESET_KEYS))}, flags {', '.join(FLAG_PRESETS)} "
+                       "(or use --config.<field>=value).")
     presets[key] = value
   return task or "rte", presets
 
@@ -77,6 +87,19 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Compute CE's and the auxiliary term's gradients separately even when the objective does
   # not gate, to log their cosine (the pilot experiment); costs a second backward pass.
   config.measure_conflict = False
+
+  # Multi-exit BERT (the `multi_exit` preset): an exit after every layer, or after exit_layers.
+  config.multi_exit = False
+  config.exit_layers = ()  # 1-based layer numbers; () = every layer
+  config.pooler = "shared"  # shared (the pretrained pooler) | per_exit (copies of it)
+  config.exit_weights = "asc"  # asc (w_e proportional to e, PABEE) | uniform | desc
+  config.gate = "per_exit"  # ACL-Grad decisions: per_exit (one per exit) | global (one)
+  # Exits whose two gradient pytrees are pulled back at once by the per-exit gate: peak memory
+  # holds 2 * gate_chunk gradient pytrees plus the running sum.
+  config.gate_chunk = 1
+  config.cl_weight = 0.5  # mu: weight of ACL-CL (objective acl_cl)
+  config.teacher = "last"  # ACL-CL teacher: last exit | deeper (every deeper exit, averaged)
+  config.kd_temperature = 2.0  # objective kd: softening temperature of the last-exit teacher
   config.seed = 0
 
   config.num_epochs = 3
@@ -115,6 +138,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       config[key] = value
   for key, raw in presets.items():
     if key == "model":
+      continue
+    if key in FLAG_PRESETS:
+      config[key] = True
       continue
     try:
       value = PRESET_KEYS[key](raw)

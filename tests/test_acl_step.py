@@ -9,6 +9,7 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from acl_jax import checkpoints
@@ -33,8 +34,9 @@ def setup(tiny_bert_dir, glue_dir, tmp_path_factory):
   model = bert.BertForSequenceClassification(config=checkpoints.load_config(tiny_bert_dir),
                                              num_labels=2)
   params = model.init(jax.random.key(0), *(jnp.zeros((1, 8), jnp.int32),) * 3)["params"]
-  config = glue.get_config("rte")
-  tx, schedule = train.create_optimizer(config, total_steps=100)
+  # Plain SGD with lr 1: the update is the gradient itself, so the comparison sees its scale
+  # (Adam's first step would only see its sign).
+  tx, schedule = optax.sgd(1.0), optax.constant_schedule(1.0)
   return task, model, params, batches, tx, schedule
 
 
@@ -94,6 +96,9 @@ def test_gated_update_equals_two_separate_grads(setup, objective, mode):
       assert float(metrics["kept"]) == (0.0 if conflict else 1.0)
     for got, want in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(expected)):
       np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # An update that moved nothing would match any reference.
+    assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(new_state.params),
+                                                         jax.tree.leaves(params)))
   # The batches must exercise both branches of the gate, or the test proves half of it.
   assert seen == {True, False}, f"only conflict={seen} seen; pick other batches"
 

@@ -1,0 +1,208 @@
+"""Multi-exit training: per-exit and global ACL-Grad against exit-by-exit references, KD,
+DeeBERT's frozen second stage, and per-exit evaluation."""
+
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from acl_jax import checkpoints
+from acl_jax import data
+from acl_jax import losses
+from acl_jax import train
+from acl_jax.models import multi_exit
+from configs import glue
+from conftest import write_tiny_bert
+
+TEMPERATURE, LAMBDA, MU = 0.3, 0.5, 0.7
+
+
+@pytest.fixture(scope="module")
+def setup(minilm_dir, glue_dir, tmp_path_factory):
+  ckpt = write_tiny_bert(tmp_path_factory.mktemp("tiny3"), minilm_dir, num_hidden_layers=3)
+  task = data.get_task("rte")
+  tokenizer = checkpoints.load_tokenizer(ckpt)
+  encoded = data.load_encoded(task, "train", tokenizer, max_length=64, glue_dir=glue_dir,
+                              cache_dir=tmp_path_factory.mktemp("cache"))
+  batches = [{k: b[k] for k in (*train.MODEL_INPUTS, "labels", "mask")}
+             for _, b in zip(range(3), data.train_batches(
+                 encoded, batch_size=12, boundaries=(64,), seed=1, epoch=0))]
+  model = multi_exit.MultiExitBert(config=checkpoints.load_config(ckpt), num_labels=2)
+  params = model.init(jax.random.key(0), *(jnp.zeros((1, 8), jnp.int32),) * 3)["params"]
+  # Plain SGD with lr 1: the update is the gradient itself, so the comparison sees its scale
+  # (Adam's first step would only see its sign).
+  tx, schedule = optax.sgd(1.0), optax.constant_schedule(1.0)
+  weights = multi_exit.exit_weights("asc", model.resolved_exit_layers())
+  return ckpt, task, model, params, batches, tx, schedule, weights
+
+
+def exit_terms(model, params, batch, rng, objective):
+  """Per-exit CE and aux (lambda, mu included), written out exit by exit."""
+  out = model.apply({"params": params}, *(batch[k] for k in train.MODEL_INPUTS),
+                    deterministic=False, rngs={"dropout": rng})
+  layers = model.resolved_exit_layers()
+  emb = [params[f"exit_{e}"]["classifier"]["kernel"].T for e in layers]
+  labels, mask = batch["labels"], batch["mask"]
+  ce, aux = [], []
+  for i in range(len(layers)):
+    ce.append(losses.cross_entropy(out["logits"][i], labels, mask=mask))
+    if objective == "kd":
+      aux.append(LAMBDA * losses.kd(out["logits"][i], out["logits"][-1], temperature=2.0,
+                                    mask=mask) if i < len(layers) - 1 else 0.0)
+      continue
+    term = LAMBDA * losses.acl_embed(out["pooled"][i], labels, emb[i], temperature=TEMPERATURE,
+                                     mask=mask)
+    if objective == "acl_cl" and i < len(layers) - 1:
+      term += MU * losses.acl_cl(out["pooled"][i], emb[i], out["pooled"][-1], emb[-1], labels,
+                                 temperature=TEMPERATURE, mask=mask)
+    aux.append(term)
+  return ce, aux
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5))
+def _reference_grads(model, params, batch, rng, weights, objective):
+  """Exit e's CE and aux gradients, each from its own jax.grad (2E separate calls)."""
+  def grad(i, which):
+    return jax.grad(
+        lambda p: weights[i] * exit_terms(model, p, batch, rng, objective)[which][i])(params)
+  n = len(model.resolved_exit_layers())
+  return [grad(i, 0) for i in range(n)], [grad(i, 1) for i in range(n)]
+
+
+def reference_grads(model, params, batch, rng, weights, objective):
+  return jax.tree.map(np.float64, _reference_grads(model, params, batch, rng, weights,
+                                                   objective))
+
+
+def tree_dot(a, b):
+  return sum(float((x * y).sum()) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def apply(tx, params, grads):
+  grads = jax.tree.map(lambda g: jnp.asarray(g, jnp.float32), grads)
+  updates, _ = tx.update(grads, tx.init(params), params)
+  return jax.tree.map(lambda p, u: p + u, params, updates)
+
+
+def run_step(setup, batch_index, **kwargs):
+  _, task, model, params, batches, tx, schedule, weights = setup
+  step = jax.jit(train.make_train_step(model, tx, schedule, task, aux_weight=LAMBDA,
+                                       temperature=TEMPERATURE, cl_weight=MU,
+                                       exit_weights=weights, **kwargs))
+  state = train.TrainState(step=jnp.asarray(batch_index, jnp.int32), params=params,
+                           opt_state=tx.init(params))
+  rng = jax.random.key(50 + batch_index)
+  new_state, metrics = step(state, batches[batch_index], rng)
+  return new_state, metrics, jax.random.fold_in(rng, batch_index)
+
+
+def assert_trees_close(a, b, before=None):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_allclose(x, y, rtol=1e-5, atol=2e-6)
+  if before is not None:  # an update that moved nothing would match any reference
+    assert not all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a),
+                                                         jax.tree.leaves(before)))
+
+
+@pytest.mark.parametrize("objective,gate_chunk", [("acl", 1), ("acl", 2), ("acl_cl", 3)])
+def test_per_exit_gate_equals_exit_by_exit_reference(setup, objective, gate_chunk):
+  _, task, model, params, batches, tx, schedule, weights = setup
+  decisions = []
+  for b in range(len(batches)):
+    new_state, metrics, rng = run_step(setup, b, objective=objective, gate_chunk=gate_chunk)
+    g_ce, g_aux = reference_grads(model, params, batches[b], rng, weights, objective)
+    total = jax.tree.map(np.zeros_like, g_ce[0])
+    for e in range(len(weights)):
+      dot = tree_dot(g_ce[e], g_aux[e])
+      kept = dot >= 0
+      decisions.append(kept)
+      total = jax.tree.map(lambda t, c, a: t + c + (a if kept else 0.0), total, g_ce[e], g_aux[e])
+      np.testing.assert_allclose(metrics["dot"][e], dot, rtol=1e-3, atol=1e-9)
+      assert float(metrics["kept"][e]) == float(kept)
+    assert_trees_close(new_state.params, apply(tx, params, total), params)
+  # Both branches of the gate must occur, or the test proves half of it.
+  assert set(decisions) == {True, False}, decisions
+
+
+def test_global_gate_is_one_decision_on_the_sums(setup):
+  _, task, model, params, batches, tx, schedule, weights = setup
+  for b in range(len(batches)):
+    new_state, metrics, rng = run_step(setup, b, objective="acl", gate_granularity="global")
+    g_ce, g_aux = reference_grads(model, params, batches[b], rng, weights, "acl")
+    ce_sum = jax.tree.map(lambda *g: sum(g), *g_ce)
+    aux_sum = jax.tree.map(lambda *g: sum(g), *g_aux)
+    dot = tree_dot(ce_sum, aux_sum)
+    assert metrics["kept"].shape == () and float(metrics["kept"]) == float(dot >= 0)
+    expected = ce_sum if dot < 0 else jax.tree.map(np.add, ce_sum, aux_sum)
+    assert_trees_close(new_state.params, apply(tx, params, expected), params)
+
+
+def test_kd_is_the_weighted_sum_with_distillation_on_shallow_exits(setup):
+  _, task, model, params, batches, tx, schedule, weights = setup
+  new_state, metrics, rng = run_step(setup, 0, objective="kd")
+  g_ce, g_aux = reference_grads(model, params, batches[0], rng, weights, "kd")
+  expected = jax.tree.map(lambda *g: sum(g), *g_ce, *g_aux)
+  assert_trees_close(new_state.params, apply(tx, params, expected), params)
+  assert float(metrics["aux"][-1]) == 0.0 and float(metrics["aux"][0]) > 0.0
+
+
+def multi_exit_config(ckpt, glue_dir, tmp_path, preset):
+  config = glue.get_config(f"rte,model={ckpt},multi_exit,{preset}")
+  config.log_every = 2
+  config.batch_size = 8
+  config.max_length = 64
+  config.data.buckets = (32,)
+  config.data.glue_dir = str(glue_dir)
+  config.data.cache_dir = str(tmp_path / "cache")
+  return config
+
+
+def test_deebert_second_stage_trains_only_the_shallow_exits(setup, glue_dir, tmp_path):
+  ckpt, task, model, params, batches, tx, schedule, weights = setup
+  config = multi_exit_config(ckpt, glue_dir, tmp_path, "objective=deebert,max_steps=2")
+  stages = train.stages_of(config, model)
+  assert [s.name for s in stages] == ["final_exit", "other_exits"]
+  config.warmup_ratio = 0.0
+  frozen_tx, frozen_schedule = train.create_optimizer(config, 10, frozen=stages[1].frozen)
+  step = jax.jit(train.make_train_step(model, frozen_tx, frozen_schedule, task, objective="ce",
+                                       exit_weights=stages[1].exit_weights))
+  state = train.TrainState(step=jnp.asarray(3, jnp.int32), params=params,
+                           opt_state=frozen_tx.init(params))
+  new_state, _ = step(state, batches[0], jax.random.key(0))
+  for root in ("bert", "exit_3"):
+    for before, after in zip(jax.tree.leaves(params[root]),
+                             jax.tree.leaves(new_state.params[root])):
+      np.testing.assert_array_equal(before, after)
+  for root in ("exit_1", "exit_2"):
+    changed = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params[root]),
+                                                         jax.tree.leaves(new_state.params[root]))]
+    assert all(changed)
+
+  config.warmup_ratio = 0.1
+  results = train.train_and_evaluate(config, str(tmp_path / "deebert"))
+  assert [h["stage"] for h in results["history"]] == ["final_exit", "other_exits"]
+  assert results["train"]["steps"] == 4
+
+
+def test_multi_exit_run_reports_every_exit_and_their_average(setup, glue_dir, tmp_path):
+  ckpt = setup[0]
+  config = multi_exit_config(ckpt, glue_dir, tmp_path, "objective=acl_cl,max_steps=2")
+  results = train.train_and_evaluate(config, str(tmp_path / "run"))
+  dev = results["final"]["validation"]
+  assert set(dev) == {"exit1/accuracy", "exit2/accuracy", "exit3/accuracy", "avg/accuracy"}
+  np.testing.assert_allclose(dev["avg/accuracy"],
+                             np.mean([dev[f"exit{e}/accuracy"] for e in (1, 2, 3)]))
+  assert results["main_metric"] == "validation/avg/accuracy"
+  rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text()
+          .splitlines() if '"loss"' in line]
+  assert len(rows[0]["kept"]) == 3 and len(rows[0]["ce"]) == 3
+
+
+def test_multi_exit_objectives_need_the_multi_exit_preset(tiny_bert_dir, glue_dir, tmp_path):
+  config = glue.get_config(f"rte,model={tiny_bert_dir},objective=kd")
+  with pytest.raises(ValueError, match="objective='kd' needs a multi-exit model"):
+    train.train_and_evaluate(config, str(tmp_path / "run"))
