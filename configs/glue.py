@@ -78,8 +78,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.model = "bert-base-uncased"
   # Loading PyTorch .bin files unpickles them: only on explicit request.
   config.allow_pickle = False
-  # ce | scl (CE+SCL baseline) | acl_embed | acl (ACL-Embed + ACL-Grad) | acl_project.
-  config.objective = "acl"
+  # ce | scl (CE+SCL baseline) | acl_embed | acl (ACL-Embed + ACL-Grad) | acl_project; the
+  # multi-exit ones are in acl_jax.train.OBJECTIVES. Contrastive terms need classes, so the
+  # regression task (STS-B) defaults to CE (MSE).
+  config.objective = "ce" if task.is_regression else "acl"
   # Weight of the auxiliary term: (1-lambda) CE + lambda SCL; CE + lambda ACL-Embed.
   config["lambda"] = 0.5
   config.temperature = 0.3

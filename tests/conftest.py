@@ -58,3 +58,32 @@ def write_tiny_bert(path: pathlib.Path, tokenizer_dir: pathlib.Path, *, prefix: 
 def tiny_bert_dir(tmp_path_factory, minilm_dir) -> pathlib.Path:
   """A tiny (2x32) random BERT checkpoint directory without the `bert.` prefix."""
   return write_tiny_bert(tmp_path_factory.mktemp("tiny_bert"), minilm_dir)
+
+
+def rte_train_batches(ckpt_dir, glue_dir, cache_dir, *, count: int, seed: int,
+                      batch_size: int = 12, max_length: int = 64) -> list[dict]:
+  """The first `count` RTE training batches (model inputs, labels, mask) at one length."""
+  from acl_jax import checkpoints, data, train
+  task = data.get_task("rte")
+  encoded = data.load_encoded(task, "train", checkpoints.load_tokenizer(ckpt_dir),
+                              max_length=max_length, glue_dir=glue_dir, cache_dir=cache_dir)
+  batches = data.train_batches(encoded, batch_size=batch_size, boundaries=(max_length,),
+                               seed=seed, epoch=0)
+  return [{k: b[k] for k in (*train.MODEL_INPUTS, "labels", "mask")}
+          for _, b in zip(range(count), batches)]
+
+
+def tiny_run_config(model_dir, glue_dir, tmp_path, preset: str = "rte", **overrides):
+  """configs/glue.py:<preset>,model=<model_dir>, shrunk to run in seconds on a tiny model."""
+  from configs import glue
+  config = glue.get_config(f"{preset},model={model_dir}")
+  config.log_every = 2
+  config.batch_size = 8
+  config.eval_batch_size = 32
+  config.max_length = 64
+  config.data.buckets = (32,)
+  config.data.glue_dir = str(glue_dir)
+  config.data.cache_dir = str(tmp_path / "cache")
+  for key, value in overrides.items():
+    config[key] = value
+  return config

@@ -18,6 +18,7 @@ from acl_jax import losses
 from acl_jax import train
 from acl_jax.models import bert
 from configs import glue
+from conftest import rte_train_batches, tiny_run_config
 
 TEMPERATURE, LAMBDA = 0.3, 0.5
 
@@ -25,12 +26,8 @@ TEMPERATURE, LAMBDA = 0.3, 0.5
 @pytest.fixture(scope="module")
 def setup(tiny_bert_dir, glue_dir, tmp_path_factory):
   task = data.get_task("rte")
-  tokenizer = checkpoints.load_tokenizer(tiny_bert_dir)
-  encoded = data.load_encoded(task, "train", tokenizer, max_length=64, glue_dir=glue_dir,
-                              cache_dir=tmp_path_factory.mktemp("cache"))
-  batches = [{k: b[k] for k in (*train.MODEL_INPUTS, "labels", "mask")}
-             for _, b in zip(range(6), data.train_batches(
-                 encoded, batch_size=12, boundaries=(64,), seed=0, epoch=0))]
+  batches = rte_train_batches(tiny_bert_dir, glue_dir, tmp_path_factory.mktemp("cache"), count=6,
+                              seed=0)
   model = bert.BertForSequenceClassification(config=checkpoints.load_config(tiny_bert_dir),
                                              num_labels=2)
   params = model.init(jax.random.key(0), *(jnp.zeros((1, 8), jnp.int32),) * 3)["params"]
@@ -143,13 +140,7 @@ def test_measure_conflict_logs_cosine_without_changing_the_update(setup):
 
 
 def test_acl_run_logs_gate_terms(tiny_bert_dir, glue_dir, tmp_path):
-  config = glue.get_config(f"rte,model={tiny_bert_dir},objective=acl,max_steps=4")
-  config.log_every = 2
-  config.batch_size = 8
-  config.max_length = 64
-  config.data.buckets = (32,)
-  config.data.glue_dir = str(glue_dir)
-  config.data.cache_dir = str(tmp_path / "cache")
+  config = tiny_run_config(tiny_bert_dir, glue_dir, tmp_path, "rte,objective=acl,max_steps=4")
   train.train_and_evaluate(config, str(tmp_path / "run"))
   rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text()
           .splitlines() if '"loss"' in line]

@@ -39,6 +39,18 @@ def test_model_preset_brings_its_learning_rate():
   assert glue.get_config("rte,model=/tmp/some/dir").learning_rate == 2e-5
 
 
+def test_regression_task_defaults_to_ce():
+  assert glue.get_config("stsb").objective == "ce"
+  assert glue.get_config("stsb,objective=acl").objective == "acl"  # refused by train, clearly
+
+
+def test_multi_exit_presets():
+  config = glue.get_config("rte,multi_exit,objective=acl_cl,gate=global,exit_weights=uniform")
+  assert config.multi_exit and config.objective == "acl_cl"
+  assert (config.gate, config.exit_weights) == ("global", "uniform")
+  assert not glue.get_config("rte").multi_exit
+
+
 def test_task_aliases():
   assert glue.get_config("SST-2").task == "sst2"
   assert glue.get_config("sts-b").task == "stsb"

@@ -16,7 +16,7 @@ from acl_jax import losses
 from acl_jax import train
 from acl_jax.models import multi_exit
 from configs import glue
-from conftest import write_tiny_bert
+from conftest import rte_train_batches, tiny_run_config, write_tiny_bert
 
 TEMPERATURE, LAMBDA, MU = 0.3, 0.5, 0.7
 
@@ -25,12 +25,8 @@ TEMPERATURE, LAMBDA, MU = 0.3, 0.5, 0.7
 def setup(minilm_dir, glue_dir, tmp_path_factory):
   ckpt = write_tiny_bert(tmp_path_factory.mktemp("tiny3"), minilm_dir, num_hidden_layers=3)
   task = data.get_task("rte")
-  tokenizer = checkpoints.load_tokenizer(ckpt)
-  encoded = data.load_encoded(task, "train", tokenizer, max_length=64, glue_dir=glue_dir,
-                              cache_dir=tmp_path_factory.mktemp("cache"))
-  batches = [{k: b[k] for k in (*train.MODEL_INPUTS, "labels", "mask")}
-             for _, b in zip(range(3), data.train_batches(
-                 encoded, batch_size=12, boundaries=(64,), seed=1, epoch=0))]
+  batches = rte_train_batches(ckpt, glue_dir, tmp_path_factory.mktemp("cache"), count=3,
+                              seed=1)
   model = multi_exit.MultiExitBert(config=checkpoints.load_config(ckpt), num_labels=2)
   params = model.init(jax.random.key(0), *(jnp.zeros((1, 8), jnp.int32),) * 3)["params"]
   # Plain SGD with lr 1: the update is the gradient itself, so the comparison sees its scale
@@ -151,14 +147,7 @@ def test_kd_is_the_weighted_sum_with_distillation_on_shallow_exits(setup):
 
 
 def multi_exit_config(ckpt, glue_dir, tmp_path, preset):
-  config = glue.get_config(f"rte,model={ckpt},multi_exit,{preset}")
-  config.log_every = 2
-  config.batch_size = 8
-  config.max_length = 64
-  config.data.buckets = (32,)
-  config.data.glue_dir = str(glue_dir)
-  config.data.cache_dir = str(tmp_path / "cache")
-  return config
+  return tiny_run_config(ckpt, glue_dir, tmp_path, f"rte,multi_exit,{preset}")
 
 
 def test_deebert_second_stage_trains_only_the_shallow_exits(setup, glue_dir, tmp_path):

@@ -11,22 +11,12 @@ import pytest
 from acl_jax import data
 from acl_jax import train
 from configs import glue
+from conftest import tiny_run_config
 
 
 def tiny_config(model_dir, glue_dir, tmp_path, **overrides):
-  config = glue.get_config(f"rte,model={model_dir}")
-  config.max_steps = 6
-  config.log_every = 2
-  config.batch_size = 8
-  config.eval_batch_size = 32
-  config.max_length = 64
-  config.learning_rate = 1e-3
-  config.data.buckets = (32,)
-  config.data.glue_dir = str(glue_dir)
-  config.data.cache_dir = str(tmp_path / "cache")
-  for key, value in overrides.items():
-    config[key] = value
-  return config
+  return tiny_run_config(model_dir, glue_dir, tmp_path, "rte,objective=ce,max_steps=6",
+                         **{"learning_rate": 1e-3, **overrides})
 
 
 def test_decay_mask_spares_biases_and_layernorm():
