@@ -6,6 +6,7 @@ import math
 import os
 import pathlib
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -20,6 +21,7 @@ import numpy as np
 import optax
 import tqdm
 
+from acl_jax import checkpointing
 from acl_jax import checkpoints
 from acl_jax import data
 from acl_jax import gradients
@@ -407,10 +409,20 @@ def validate_config(config) -> None:
 
 
 class MetricsWriter:
-  """Writes one JSON object per line to <workdir>/metrics.jsonl (a fresh run starts it anew)."""
+  """Writes one JSON object per line to <workdir>/metrics.jsonl.
 
-  def __init__(self, path: pathlib.Path):
-    self._file = open(path, "w")
+  A fresh run starts the file anew; a resumed run keeps the lines up to its checkpoint's step
+  (later ones came from the interrupted process and will be logged again) and appends.
+  """
+
+  def __init__(self, path: pathlib.Path, *, keep_through: int | None = None):
+    if keep_through is not None and path.exists():
+      kept = [line for line in path.read_text().splitlines()
+              if line.strip() and json.loads(line)["step"] <= keep_through]
+      path.write_text("".join(line + "\n" for line in kept))
+      self._file = open(path, "a")
+    else:
+      self._file = open(path, "w")
 
   def write(self, step: int, values: dict[str, Any]) -> None:
     row = {"step": int(step), **{k: _to_python(v) for k, v in values.items()}}
@@ -426,12 +438,93 @@ def _to_python(value):
   return value.item() if value.ndim == 0 else value.tolist()
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-  """Fine-tunes config.model on config.task; writes the run directory; returns eval results."""
-  workdir = pathlib.Path(workdir).expanduser().resolve()
+# Written by the run, not by the user: removed when a workdir is overwritten.
+RUN_OUTPUTS = ("config.json", "metrics.jsonl", "eval_results.json", "early_exit.json",
+               checkpointing.CHECKPOINT_DIR)
+# Config fields that may differ between a run and its resumption.
+RESUMABLE_CHANGES = ("overwrite",)
+
+
+def prepare_workdir(workdir: pathlib.Path, config) -> None:
+  """Refuses a workdir that holds a run with another config, unless config.overwrite.
+
+  The same config resumes (or, with no checkpoint yet, starts over); config.overwrite deletes
+  the earlier run's outputs first.
+  """
+  if workdir.exists() and not workdir.is_dir():
+    raise NotADirectoryError(f"--workdir={workdir} exists and is not a directory")
   workdir.mkdir(parents=True, exist_ok=True)
+  if config.overwrite:
+    for name in RUN_OUTPUTS:
+      path = workdir / name
+      if path.is_dir():
+        shutil.rmtree(path)
+      elif path.exists():
+        path.unlink()
+    return
+  path = workdir / "config.json"
+  if not path.exists():
+    if (workdir / checkpointing.CHECKPOINT_DIR).exists():
+      raise ValueError(f"{workdir} holds checkpoints but no config.json, so it cannot tell "
+                       "whether they belong to this config; add `overwrite` to the config "
+                       "string (or --config.overwrite=True) to start over")
+    return
+  try:
+    saved = json.loads(path.read_text())["config"]
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise ValueError(f"{path}: unreadable run directory ({type(e).__name__}: {e}); add "
+                     "`overwrite` to the config string (or --config.overwrite=True) to start "
+                     "over in it") from e
+  current = _json_config(config)
+  differ = sorted(key for key in set(_flatten(saved)) | set(_flatten(current))
+                  if key not in RESUMABLE_CHANGES
+                  and _flatten(saved).get(key) != _flatten(current).get(key))
+  if differ:
+    changes = "; ".join(f"{key}: {_flatten(saved).get(key)!r} -> {_flatten(current).get(key)!r}"
+                        for key in differ)
+    raise ValueError(f"{workdir} holds a run with another config ({changes}). Use another "
+                     "--workdir, or add `overwrite` to the config string (or "
+                     "--config.overwrite=True) to delete that run and start over")
+
+
+def _json_config(config) -> dict[str, Any]:
+  return json.loads(json.dumps(config.to_dict(), default=str))
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+  out = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      out.update(_flatten(value, f"{prefix}{key}."))
+    else:
+      out[prefix + key] = value
+  return out
+
+
+# Per-step terms checked for NaN and inf at every log point.
+CHECKED_TERMS = ("loss", "ce", "mse", "aux", "grad_norm")
+
+
+def check_finite(window: list[dict[str, Any]], first_step: int) -> None:
+  """Raises FloatingPointError naming the first step and term in `window` that is not finite."""
+  for offset, values in enumerate(window):
+    for name in CHECKED_TERMS:
+      if name in values and not np.all(np.isfinite(values[name])):
+        raise FloatingPointError(
+            f"step {first_step + offset}: the {name} term is {_to_python(values[name])}; "
+            "training stopped before saving this state (lower the learning rate, use float32, "
+            "or check the data)")
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+  """Fine-tunes config.model on config.task; writes the run directory; returns eval results.
+
+  Rerunning with the same config and workdir resumes from the last checkpoint.
+  """
+  workdir = pathlib.Path(workdir).expanduser().resolve()
   task = data.get_task(config.task)
   validate_config(config)
+  prepare_workdir(workdir, config)
 
   ckpt_dir = checkpoints.resolve(config.model, allow_pickle=config.allow_pickle)
   bert_config = checkpoints.load_config(ckpt_dir)
@@ -458,14 +551,20 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     total_steps = min(total_steps, config.max_steps)
   eval_every = config.eval_every or steps_per_epoch
 
+  run_checkpoints = checkpointing.RunCheckpoints(workdir)
+  saved = run_checkpoints.latest_progress()  # None: a fresh run
   meta = run_metadata()
   meta.update(checkpoint_dir=str(ckpt_dir), glue_dir=str(glue_dir) if glue_dir else "hub",
               train_examples=len(train_data.lengths), steps_per_epoch=steps_per_epoch,
-              total_steps=total_steps, bucket_boundaries=list(boundaries))
+              total_steps=total_steps, bucket_boundaries=list(boundaries),
+              resumed_from_step=saved["step"] if saved else None)
   (workdir / "config.json").write_text(
       json.dumps({"config": config.to_dict(), "meta": meta}, indent=2, default=str) + "\n")
   logging.info("Task %s: %d train examples, %d steps/epoch, %d steps; devices %s",
                task.name, len(train_data.lengths), steps_per_epoch, total_steps, meta["devices"])
+  if saved:
+    logging.info("Resuming from the checkpoint at step %d (stage %s, epoch %d, batch %d)",
+                 saved["step"], saved["stage"], saved["epoch"], saved["position"])
 
   model = build_model(config, bert_config, task)
   init_rng, dropout_rng = jax.random.split(jax.random.key(config.seed))
@@ -478,15 +577,26 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   main_split = next(iter(task.eval_splits))
   main_metric = main_metric_name(model, task)
   exit_layers = model.resolved_exit_layers() if config.multi_exit else None
+  stages = stages_of(config, model)
 
-  writer = MetricsWriter(workdir / "metrics.jsonl")
-  progress = tqdm.tqdm(total=total_steps * len(stages_of(config, model)),
+  # Where the loop stands: the next batch is batch `position` of `epoch` (each epoch's order
+  # derives from (seed, epoch)); the step's dropout key derives from (seed, stage, step).
+  resume = saved or {"step": 0, "stage_index": 0, "epoch": 0, "position": 0,
+                     "train_seconds": 0.0, "train_examples": 0.0, "compilations": 0,
+                     "history": [], "best": None}
+  step, epoch, position = resume["step"], resume["epoch"], resume["position"]
+  train_seconds, train_examples = resume["train_seconds"], resume["train_examples"]
+  compilations, history, best = resume["compilations"], resume["history"], resume["best"]
+  writer = MetricsWriter(workdir / "metrics.jsonl", keep_through=step if saved else None)
+  progress = tqdm.tqdm(total=total_steps * len(stages), initial=step,
                        desc=f"{task.name} train", unit="step", dynamic_ncols=True, disable=None)
-  history, best = [], None
-  step, epoch, train_seconds, train_examples, compilations = 0, 0, 0.0, 0.0, 0
-  for stage_index, stage in enumerate(stages_of(config, model)):
+  for stage_index, stage in enumerate(stages):
+    if stage_index < resume["stage_index"]:
+      continue  # finished before the restart; its params are in the restored state
     tx, schedule = create_optimizer(config, total_steps, frozen=stage.frozen)
     state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+    if saved and stage_index == saved["stage_index"]:
+      state = run_checkpoints.restore_state(state)
     train_step = jax.jit(make_train_step(
         model, tx, schedule, task, objective=stage.objective, aux_weight=config["lambda"],
         temperature=config.temperature, anchors=config.anchors,
@@ -494,41 +604,49 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         gate_granularity=config.gate, cl_weight=config.cl_weight, teacher=config.teacher,
         kd_temperature=config.kd_temperature, gate_chunk=config.gate_chunk), donate_argnums=0)
     stage_rng = jax.random.fold_in(dropout_rng, stage_index)
-    stage_end = step + total_steps
+    stage_end = (stage_index + 1) * total_steps
     window, window_examples, window_start = [], 0.0, time.perf_counter()
     while step < stage_end:
+      batch_epoch = epoch
       for batch in data.train_batches(train_data, batch_size=config.batch_size,
-                                      boundaries=boundaries, seed=config.seed, epoch=epoch):
-        if step >= stage_end:
-          break
+                                      boundaries=boundaries, seed=config.seed, epoch=epoch,
+                                      start=position):
         valid = float(batch["mask"].sum())
         inputs = {k: batch[k] for k in (*MODEL_INPUTS, "labels", "mask")}
         state, step_metrics = train_step(state, inputs, stage_rng)
         step += 1
+        position += 1
         window.append(step_metrics)
         window_examples += valid
         progress.update(1)
 
         last = step == stage_end
-        if step % config.log_every == 0 or last or step % eval_every == 0:
+        if position == steps_per_epoch or last:  # the next batch opens the next epoch
+          epoch, position = epoch + 1, 0
+        evaluate_now = step % eval_every == 0 or last
+        save_now = (config.checkpoint_every > 0 and step % config.checkpoint_every == 0
+                    or evaluate_now)
+        if step % config.log_every == 0 or evaluate_now or save_now:
           window = jax.device_get(window)  # the only host sync between evaluations
+          check_finite(window, step - len(window) + 1)
           elapsed = time.perf_counter() - window_start
           train_seconds += elapsed
           train_examples += window_examples
           # Means over the window, per exit where a term has one value per exit.
           logged = {k: np.mean([m[k] for m in window], axis=0) for k in window[0]}
           logged["lr"] = window[-1]["lr"]
-          logged.update(epoch=epoch, stage=stage.name, examples_per_s=window_examples / elapsed,
+          logged.update(epoch=batch_epoch, stage=stage.name,
+                        examples_per_s=window_examples / elapsed,
                         compilations=compilations + train_step._cache_size())
           writer.write(step, logged)
           loss = float(logged["loss"])
           progress.set_postfix(loss=f"{loss:.4f}", ex_s=f"{logged['examples_per_s']:.0f}")
           if progress.disable:  # no terminal (batch jobs, nohup): progress goes to the log
             logging.info("step %d/%d epoch %d: loss %.4f, %.1f examples/s", step,
-                         progress.total, epoch, loss, logged["examples_per_s"])
+                         progress.total, batch_epoch, loss, logged["examples_per_s"])
           window, window_examples = [], 0.0
 
-          if step % eval_every == 0 or last:
+          if evaluate_now:
             results = {split: evaluate(eval_step, state.params, encoded, task,
                                        batch_size=config.eval_batch_size,
                                        boundaries=boundaries, exit_layers=exit_layers)
@@ -539,15 +657,25 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
             history.append({"step": step, "stage": stage.name, **results})
             if best is None or results[main_split][main_metric] > best[main_split][main_metric]:
               best = history[-1]
+              run_checkpoints.save_best(step, state.params, best)
             progress.write(f"step {step}: " + ", ".join(
                 f"{split} {name}={value:.4f}" for split, values in results.items()
                 for name, value in values.items()))
+          if save_now:
+            run_checkpoints.save(step, state, {
+                "step": step, "stage_index": stage_index, "stage": stage.name, "epoch": epoch,
+                "position": position, "train_seconds": train_seconds,
+                "train_examples": train_examples,
+                "compilations": compilations + train_step._cache_size(),
+                "history": history, "best": best})
           window_start = time.perf_counter()
-      epoch += 1
+        if position == 0:
+          break  # the epoch (or the stage) is done
     params = state.params
     compilations += train_step._cache_size()
   progress.close()
   writer.close()
+  run_checkpoints.close()
 
   eval_results = {
       "task": task.name,
@@ -556,8 +684,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       "best": best,
       "history": history,
       "train": {"steps": step, "epochs_started": epoch, "seconds": train_seconds,
-                "examples": train_examples, "examples_per_s": train_examples / train_seconds,
+                "examples": train_examples,
+                "examples_per_s": train_examples / train_seconds if train_seconds else None,
                 "compilations": compilations},
+      "checkpoints": {"latest_step": step, "best_step": best["step"],
+                      "resumed_from_step": meta["resumed_from_step"]},
   }
   (workdir / "eval_results.json").write_text(json.dumps(eval_results, indent=2) + "\n")
   logging.info("Final %s; best %s at step %d", history[-1], best[main_split][main_metric],

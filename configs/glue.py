@@ -40,9 +40,10 @@ PRESET_KEYS = {
     "exit_weights": str,
     "pooler": str,
     "teacher": str,
+    "checkpoint_every": int,
 }
 # Bare words in the config string that switch a boolean field on.
-FLAG_PRESETS = ("multi_exit",)
+FLAG_PRESETS = ("multi_exit", "overwrite")
 # Preset names that differ from the config field they set.
 _FIELD = {"epochs": "num_epochs", "lr": "learning_rate"}
 
@@ -124,6 +125,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   config.log_every = 20  # steps between metrics.jsonl lines.
   config.eval_every = 0  # steps between dev evaluations; 0 = at the end of every epoch.
+  # Steps between checkpoints (<workdir>/checkpoints, async); runs also save at every
+  # evaluation and at the end. Rerunning the same command resumes from the latest one.
+  config.checkpoint_every = 200
+  # Rerunning in a workdir that holds another config's run is refused unless this is set
+  # (the `overwrite` preset): then that run's outputs are deleted first.
+  config.overwrite = False
 
   config.data = ml_collections.ConfigDict()
   # GLUE TSV root in the original layout; unset = $GLUE_DIR, else the HF hub.

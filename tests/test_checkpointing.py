@@ -1,0 +1,172 @@
+"""Checkpoints and resume: kill -9 mid-run, rerun, and land on the same bits; refusals."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from acl_jax import checkpointing
+from acl_jax import train
+from conftest import REPO_ROOT, tiny_run_config
+
+
+def _command(model_dir, workdir, preset):
+  return [sys.executable, "-m", "acl_jax.main",
+          f"--config=configs/glue.py:rte,model={model_dir},{preset}",
+          "--config.log_every=1", f"--workdir={workdir}"]
+
+
+def _env(glue_dir, cache_dir):
+  return {**os.environ, "GLUE_DIR": str(glue_dir), "ACL_JAX_CACHE": str(cache_dir),
+          "HF_HUB_OFFLINE": "1", "JAX_PLATFORMS": "cpu"}
+
+
+def _final_params(workdir):
+  meta = json.loads((workdir / "config.json").read_text())["meta"]
+  params, step = checkpointing.load_params(workdir)
+  return step, meta, params
+
+
+def test_kill_9_then_rerun_matches_an_uninterrupted_run_bitwise(tiny_bert_dir, glue_dir,
+                                                                 tmp_path):
+  """A real training subprocess is SIGKILLed after some checkpoint; the same command resumes
+  it; its final parameters (and optimizer state, via the next steps) equal the reference's."""
+  preset = "objective=acl,max_steps=40,checkpoint_every=3,batch_size=8,max_length=32,eval_every=16"
+  env = _env(glue_dir, tmp_path / "cache")
+  reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+  subprocess.run(_command(tiny_bert_dir, reference, preset), cwd=REPO_ROOT, env=env, check=True,
+                 capture_output=True)
+
+  proc = subprocess.Popen(_command(tiny_bert_dir, resumed, preset), cwd=REPO_ROOT, env=env,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  latest = resumed / "checkpoints" / "latest"
+  deadline = time.time() + 300
+  # Kill as soon as a mid-run checkpoint is complete (orbax renames a finished step to its
+  # number): the run then has work left to redo and a metrics tail to drop.
+  while time.time() < deadline and proc.poll() is None:
+    steps = [int(p.name) for p in latest.glob("*") if p.name.isdigit()] if latest.exists() else []
+    if steps and 9 <= max(steps) < 40:
+      proc.send_signal(signal.SIGKILL)
+      break
+    time.sleep(0.01)
+  proc.wait()
+  assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed mid-run"
+  assert not (resumed / "eval_results.json").exists()
+  killed_at = max(int(p.name) for p in latest.glob("*") if p.name.isdigit())
+
+  subprocess.run(_command(tiny_bert_dir, resumed, preset), cwd=REPO_ROOT, env=env, check=True,
+                 capture_output=True)
+  ref_step, _, ref_params = _final_params(reference)
+  res_step, res_meta, res_params = _final_params(resumed)
+  assert ref_step == res_step == 40
+  assert res_meta["resumed_from_step"] == killed_at
+  for path, a, b in zip(jax.tree_util.tree_leaves_with_path(ref_params),
+                        jax.tree.leaves(ref_params), jax.tree.leaves(res_params)):
+    assert np.array_equal(np.asarray(a), np.asarray(b)), f"{path[0]} differs after resume"
+
+  ref_results = json.loads((reference / "eval_results.json").read_text())
+  res_results = json.loads((resumed / "eval_results.json").read_text())
+  assert res_results["history"] == ref_results["history"]
+  assert res_results["checkpoints"]["resumed_from_step"] == killed_at
+  # Every step is logged exactly once, and with the reference's values.
+  ref_rows = [json.loads(l) for l in (reference / "metrics.jsonl").read_text().splitlines()]
+  res_rows = [json.loads(l) for l in (resumed / "metrics.jsonl").read_text().splitlines()]
+  train_rows = lambda rows: [(r["step"], r["loss"], r["cosine"]) for r in rows if "loss" in r]
+  assert train_rows(res_rows) == train_rows(ref_rows)
+  assert [r["step"] for r in res_rows if "loss" in r] == list(range(1, 41))
+
+
+class _Crash(Exception):
+  pass
+
+
+def test_deebert_resumes_at_and_after_its_stage_boundary(tiny_bert_dir, glue_dir, tmp_path,
+                                                         monkeypatch):
+  """DeeBERT's two stages: a crash right after the stage-1 end checkpoint and one inside
+  stage 2 both resume to the uninterrupted run's parameters."""
+  config = tiny_run_config(tiny_bert_dir, glue_dir, tmp_path,
+                           "rte,multi_exit,objective=deebert,max_steps=6,checkpoint_every=2",
+                           learning_rate=1e-3)
+  reference = train.train_and_evaluate(config, tmp_path / "reference")
+  ref_params = checkpointing.load_params(tmp_path / "reference")[0]
+
+  # One run crashes right after the stage-1 end checkpoint, resumes, crashes again inside
+  # stage 2, and resumes to the end.
+  original = checkpointing.RunCheckpoints.save
+  workdir = tmp_path / "crashing"
+  for crash_after in (6, 10):
+    def save_then_crash(self, step, state, progress, crash_after=crash_after):
+      original(self, step, state, progress)
+      if step == crash_after:
+        self.wait()
+        raise _Crash(step)
+    with monkeypatch.context() as patch:
+      patch.setattr(checkpointing.RunCheckpoints, "save", save_then_crash)
+      with pytest.raises(_Crash):
+        train.train_and_evaluate(config, workdir)
+  results = train.train_and_evaluate(config, workdir)
+  assert results["checkpoints"]["resumed_from_step"] == 10
+  assert results["history"] == reference["history"]
+  params = checkpointing.load_params(workdir)[0]
+  assert jax.tree.all(jax.tree.map(np.array_equal, params, ref_params))
+
+
+def test_a_workdir_with_another_config_is_refused_unless_overwrite(tiny_bert_dir, glue_dir,
+                                                                    tmp_path):
+  config = tiny_run_config(tiny_bert_dir, glue_dir, tmp_path, "rte,objective=ce,max_steps=2")
+  train.train_and_evaluate(config, tmp_path / "run")
+  other = tiny_run_config(tiny_bert_dir, glue_dir, tmp_path, "rte,objective=ce,max_steps=2,seed=1")
+  with pytest.raises(ValueError, match=r"another config \(seed: 0 -> 1\).*overwrite"):
+    train.train_and_evaluate(other, tmp_path / "run")
+  other.overwrite = True
+  results = train.train_and_evaluate(other, tmp_path / "run")
+  assert results["checkpoints"]["resumed_from_step"] is None
+  saved = json.loads((tmp_path / "run" / "config.json").read_text())["config"]
+  assert saved["seed"] == 1
+
+
+def test_an_unreadable_run_directory_gets_a_clear_error(tiny_bert_dir, glue_dir, tmp_path):
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  (workdir / "config.json").write_text("{not json")
+  config = tiny_run_config(tiny_bert_dir, glue_dir, tmp_path, "rte,objective=ce,max_steps=2")
+  with pytest.raises(ValueError, match=r"config\.json: unreadable run directory"):
+    train.train_and_evaluate(config, workdir)
+  (workdir / "config.json").unlink()
+  (workdir / "checkpoints").mkdir()
+  with pytest.raises(ValueError, match="checkpoints but no config.json"):
+    train.train_and_evaluate(config, workdir)
+
+
+def test_a_diverging_run_stops_naming_step_and_term_and_saves_nothing_non_finite(
+    tiny_bert_dir, glue_dir, tmp_path):
+  config = tiny_run_config(tiny_bert_dir, glue_dir, tmp_path,
+                           "rte,objective=acl,max_steps=30,checkpoint_every=1",
+                           learning_rate=1e12, warmup_ratio=0.0, max_grad_norm=1e30)
+  with pytest.raises(FloatingPointError, match=r"step (\d+): the (loss|ce|aux|grad_norm) term "
+                     r"is (nan|inf|-inf)") as info:
+    train.train_and_evaluate(config, tmp_path / "run")
+  bad_step = int(info.value.args[0].split()[1].rstrip(":"))
+  run = checkpointing.RunCheckpoints(tmp_path / "run", async_save=False)
+  latest = run.latest_step()
+  run.close()
+  assert latest is None or latest < bad_step
+  if latest is not None:
+    params = checkpointing.load_params(tmp_path / "run")[0]
+    assert checkpointing.all_finite(params)
+
+
+def test_saving_a_non_finite_state_is_refused(tmp_path):
+  run = checkpointing.RunCheckpoints(tmp_path, async_save=False)
+  state = {"params": {"w": np.array([1.0, np.nan], np.float32)}, "step": np.int32(3)}
+  with pytest.raises(FloatingPointError, match="step 3: the train state holds NaN or inf"):
+    run.save(3, state, {"step": 3})
+  assert run.latest_step() is None
+  run.close()
