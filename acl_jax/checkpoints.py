@@ -262,3 +262,68 @@ def load_bert_params(ckpt_dir: PathLike, config: BertConfig | None = None, *,
     config = load_config(ckpt_dir)
   tensors, source = read_tensors(ckpt_dir, allow_pickle=allow_pickle)
   return hf_to_flax(tensors, config, require_pooler=require_pooler, source=source)
+
+
+EXPORT_DIR = "hf_export"
+EXIT_HEADS_FILE = "exit_heads.safetensors"
+
+
+def export_hf(run, out_dir: PathLike | None = None) -> pathlib.Path:
+  """Writes a trained run as an HF BertForSequenceClassification directory.
+
+  run: an acl_jax.train.TrainedRun. out_dir defaults to <workdir>/hf_export. Files:
+    config.json, model.safetensors, tokenizer files: transformers' PyTorch (or Flax-free)
+      BertForSequenceClassification loads them. For a multi-exit run its classifier is the
+      final exit's (and its pooler, with per-exit poolers); if the final exit sits below the
+      last layer, the exported encoder keeps only the layers that exit reads.
+    exit_heads.safetensors (multi-exit only): every exit's head, HF-named
+      `exit_<e>.classifier.{weight,bias}` and, with per-exit poolers,
+      `exit_<e>.pooler.dense.{weight,bias}`; exit e reads encoder layer e's output
+      (hidden_states[e] in HF's output_hidden_states), pooled by the shared `bert.pooler`
+      unless it has its own. Its metadata lists the exit layers and the pooler kind.
+  """
+  import transformers  # pylint: disable=import-outside-toplevel
+  out = pathlib.Path(out_dir) if out_dir is not None else run.workdir / EXPORT_DIR
+  out.mkdir(parents=True, exist_ok=True)
+  params = run.params
+  bert = dict(params["bert"])
+  hf_config = transformers.BertConfig.from_pretrained(run.ckpt_dir)
+  heads = {}
+  if "classifier" in params:  # single exit
+    classifier = params["classifier"]
+  else:
+    exit_layers = run.model.resolved_exit_layers()
+    final = params[f"exit_{exit_layers[-1]}"]
+    classifier = final["classifier"]
+    if "pooler" in final:
+      bert["pooler"] = final["pooler"]
+    if exit_layers[-1] < hf_config.num_hidden_layers:
+      bert["encoder"] = {"layer": {str(i): bert["encoder"]["layer"][str(i)]
+                                   for i in range(exit_layers[-1])}}
+      hf_config.num_hidden_layers = exit_layers[-1]
+    for layer in exit_layers:
+      head = {"classifier": params[f"exit_{layer}"]["classifier"]}
+      if "pooler" in params[f"exit_{layer}"]:
+        head["pooler"] = params[f"exit_{layer}"]["pooler"]
+      heads.update({f"exit_{layer}.{name}": value for name, value in flax_to_hf(head).items()})
+    safetensors.numpy.save_file(heads, out / EXIT_HEADS_FILE, metadata={
+        "format": "pt", "exit_layers": json.dumps(list(exit_layers)),
+        "pooler": run.model.pooler, "exported_classifier": f"exit_{exit_layers[-1]}"})
+  tensors = {f"bert.{name}": value for name, value in flax_to_hf(bert).items()}
+  tensors.update({f"classifier.{name}": value
+                  for name, value in flax_to_hf(classifier).items()})
+  safetensors.numpy.save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+
+  task = run.task
+  hf_config.architectures = ["BertForSequenceClassification"]
+  hf_config.num_labels = task.num_labels
+  if task.is_regression:
+    hf_config.problem_type = "regression"
+  else:
+    hf_config.problem_type = "single_label_classification"
+    hf_config.id2label = dict(enumerate(task.labels))
+    hf_config.label2id = {label: i for i, label in enumerate(task.labels)}
+  hf_config.finetuning_task = task.name
+  hf_config.save_pretrained(out)
+  run.tokenizer.save_pretrained(out)
+  return out

@@ -16,6 +16,7 @@ from absl import logging
 import flax
 import jax
 import jax.numpy as jnp
+from jax.experimental import multihost_utils
 import ml_collections
 import numpy as np
 import optax
@@ -27,6 +28,7 @@ from acl_jax import data
 from acl_jax import gradients
 from acl_jax import losses
 from acl_jax import metrics as metrics_lib
+from acl_jax import parallel
 from acl_jax.models import bert
 from acl_jax.models import multi_exit
 
@@ -408,6 +410,61 @@ def validate_config(config) -> None:
       raise ValueError(f"config.{key}={config[key]} must be positive.")
 
 
+def load_backbone_config(config) -> tuple[pathlib.Path, bert.BertConfig, Any]:
+  """The checkpoint directory of config.model, its architecture (with config.dropout), and
+  its tokenizer."""
+  ckpt_dir = checkpoints.resolve(config.model, allow_pickle=config.allow_pickle)
+  bert_config = checkpoints.load_config(ckpt_dir)
+  if config.max_length > bert_config.max_position_embeddings:
+    raise ValueError(f"config.max_length={config.max_length} exceeds the position table of "
+                     f"{ckpt_dir} (max_position_embeddings={bert_config.max_position_embeddings}).")
+  bert_config = dataclasses.replace(bert_config, hidden_dropout_prob=config.dropout,
+                                    attention_probs_dropout_prob=config.dropout)
+  return ckpt_dir, bert_config, checkpoints.load_tokenizer(ckpt_dir)
+
+
+@dataclasses.dataclass
+class TrainedRun:
+  """A run directory's model and trained parameters, rebuilt from config.json and
+  checkpoints/ (for early exit and export)."""
+  workdir: pathlib.Path
+  config: ml_collections.ConfigDict
+  task: data.TaskSpec
+  model: Any
+  params: Any
+  step: int
+  ckpt_dir: pathlib.Path
+  tokenizer: Any
+  boundaries: tuple[int, ...]
+
+  def load_split(self, split: str) -> data.Encoded:
+    return data.load_encoded(self.task, split, tokenizer=self.tokenizer,
+                             max_length=self.config.max_length,
+                             glue_dir=data.resolve_glue_dir(self.config.data.glue_dir),
+                             cache_dir=self.config.data.cache_dir)
+
+
+def load_trained_run(workdir, *, which: str = "latest") -> TrainedRun:
+  """Rebuilds a trained run: its config, model and `which` params (latest | best)."""
+  workdir = pathlib.Path(workdir).expanduser().resolve()
+  path = workdir / "config.json"
+  try:
+    config = ml_collections.ConfigDict(json.loads(path.read_text())["config"])
+  except FileNotFoundError:
+    raise FileNotFoundError(f"{path} not found: {workdir} is not a run directory (train "
+                            "into it first with --mode=train)") from None
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise ValueError(f"{path}: unreadable run directory ({type(e).__name__}: {e})") from e
+  task = data.get_task(config.task)
+  ckpt_dir, bert_config, tokenizer = load_backbone_config(config)
+  model = build_model(config, bert_config, task)
+  dummy = jnp.zeros((1, 8), jnp.int32)
+  abstract = jax.eval_shape(model.init, jax.random.key(0), dummy, dummy, dummy)["params"]
+  params, step = checkpointing.load_params(workdir, abstract, which=which)
+  boundaries = data.bucket_boundaries(config.max_length, tuple(config.data.buckets))
+  return TrainedRun(workdir, config, task, model, params, step, ckpt_dir, tokenizer, boundaries)
+
+
 class MetricsWriter:
   """Writes one JSON object per line to <workdir>/metrics.jsonl.
 
@@ -415,7 +472,11 @@ class MetricsWriter:
   (later ones came from the interrupted process and will be logged again) and appends.
   """
 
-  def __init__(self, path: pathlib.Path, *, keep_through: int | None = None):
+  def __init__(self, path: pathlib.Path, *, keep_through: int | None = None,
+               active: bool = True):
+    self._file = None  # processes other than 0 write nothing
+    if not active:
+      return
     if keep_through is not None and path.exists():
       kept = [line for line in path.read_text().splitlines()
               if line.strip() and json.loads(line)["step"] <= keep_through]
@@ -425,12 +486,15 @@ class MetricsWriter:
       self._file = open(path, "w")
 
   def write(self, step: int, values: dict[str, Any]) -> None:
+    if self._file is None:
+      return
     row = {"step": int(step), **{k: _to_python(v) for k, v in values.items()}}
     self._file.write(json.dumps(row) + "\n")
     self._file.flush()
 
   def close(self) -> None:
-    self._file.close()
+    if self._file is not None:
+      self._file.close()
 
 
 def _to_python(value):
@@ -442,20 +506,21 @@ def _to_python(value):
 RUN_OUTPUTS = ("config.json", "metrics.jsonl", "eval_results.json", "early_exit.json",
                checkpointing.CHECKPOINT_DIR)
 # Config fields that may differ between a run and its resumption.
-RESUMABLE_CHANGES = ("overwrite",)
+# A run may resume on another number of devices (bitwise equality then no longer holds).
+RESUMABLE_CHANGES = ("overwrite", "num_devices", "shard_params")
 
 
-def prepare_workdir(workdir: pathlib.Path, config) -> None:
+def prepare_workdir(workdir: pathlib.Path, config, *, delete: bool = True) -> None:
   """Refuses a workdir that holds a run with another config, unless config.overwrite.
 
   The same config resumes (or, with no checkpoint yet, starts over); config.overwrite deletes
-  the earlier run's outputs first.
+  the earlier run's outputs first (only where `delete`: one process of a multi-host job).
   """
   if workdir.exists() and not workdir.is_dir():
     raise NotADirectoryError(f"--workdir={workdir} exists and is not a directory")
   workdir.mkdir(parents=True, exist_ok=True)
   if config.overwrite:
-    for name in RUN_OUTPUTS:
+    for name in RUN_OUTPUTS if delete else ():
       path = workdir / name
       if path.is_dir():
         shutil.rmtree(path)
@@ -524,16 +589,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   workdir = pathlib.Path(workdir).expanduser().resolve()
   task = data.get_task(config.task)
   validate_config(config)
-  prepare_workdir(workdir, config)
+  mesh = parallel.make_mesh(config.num_devices)
+  parallel.check_batch_size(config.batch_size, mesh)
+  parallel.check_batch_size(config.eval_batch_size, mesh, name="eval_batch_size")
+  is_main = parallel.is_main_process()
+  prepare_workdir(workdir, config, delete=is_main)
+  if jax.process_count() > 1:  # nobody reads the workdir before process 0 has cleared it
+    multihost_utils.sync_global_devices("prepare_workdir")
 
-  ckpt_dir = checkpoints.resolve(config.model, allow_pickle=config.allow_pickle)
-  bert_config = checkpoints.load_config(ckpt_dir)
-  if config.max_length > bert_config.max_position_embeddings:
-    raise ValueError(f"config.max_length={config.max_length} exceeds the position table of "
-                     f"{ckpt_dir} (max_position_embeddings={bert_config.max_position_embeddings}).")
-  bert_config = dataclasses.replace(bert_config, hidden_dropout_prob=config.dropout,
-                                    attention_probs_dropout_prob=config.dropout)
-  tokenizer = checkpoints.load_tokenizer(ckpt_dir)
+  ckpt_dir, bert_config, tokenizer = load_backbone_config(config)
   pretrained = checkpoints.load_bert_params(ckpt_dir, bert_config,
                                             allow_pickle=config.allow_pickle)
 
@@ -557,11 +621,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   meta.update(checkpoint_dir=str(ckpt_dir), glue_dir=str(glue_dir) if glue_dir else "hub",
               train_examples=len(train_data.lengths), steps_per_epoch=steps_per_epoch,
               total_steps=total_steps, bucket_boundaries=list(boundaries),
-              resumed_from_step=saved["step"] if saved else None)
-  (workdir / "config.json").write_text(
-      json.dumps({"config": config.to_dict(), "meta": meta}, indent=2, default=str) + "\n")
-  logging.info("Task %s: %d train examples, %d steps/epoch, %d steps; devices %s",
-               task.name, len(train_data.lengths), steps_per_epoch, total_steps, meta["devices"])
+              resumed_from_step=saved["step"] if saved else None,
+              mesh={"devices": mesh.devices.size, "processes": jax.process_count(),
+                    "shard_params": config.shard_params})
+  if is_main:
+    (workdir / "config.json").write_text(
+        json.dumps({"config": config.to_dict(), "meta": meta}, indent=2, default=str) + "\n")
+  logging.info("Task %s: %d train examples, %d steps/epoch, %d steps; %d-device mesh of %s",
+               task.name, len(train_data.lengths), steps_per_epoch, total_steps,
+               mesh.devices.size, meta["devices"])
   if saved:
     logging.info("Resuming from the checkpoint at step %d (stage %s, epoch %d, batch %d)",
                  saved["step"], saved["stage"], saved["epoch"], saved["position"])
@@ -573,7 +641,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   params["bert"] = jax.tree.map(jnp.asarray, pretrained)
   if config.multi_exit and config.pooler == "per_exit":
     params = multi_exit.init_per_exit_poolers(params)
-  eval_step = jax.jit(make_eval_step(model, task))
+  param_sharding = parallel.state_sharding(params, mesh, shard_params=config.shard_params)
+  compiled_eval = jax.jit(make_eval_step(model, task), in_shardings=(
+      param_sharding, parallel.batch_sharding(mesh)), out_shardings=parallel.replicated(mesh))
+  eval_step = lambda params, batch: compiled_eval(params, parallel.global_batch(batch, mesh))
   main_split = next(iter(task.eval_splits))
   main_metric = main_metric_name(model, task)
   exit_layers = model.resolved_exit_layers() if config.multi_exit else None
@@ -587,23 +658,30 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   step, epoch, position = resume["step"], resume["epoch"], resume["position"]
   train_seconds, train_examples = resume["train_seconds"], resume["train_examples"]
   compilations, history, best = resume["compilations"], resume["history"], resume["best"]
-  writer = MetricsWriter(workdir / "metrics.jsonl", keep_through=step if saved else None)
+  writer = MetricsWriter(workdir / "metrics.jsonl", keep_through=step if saved else None,
+                         active=is_main)
   progress = tqdm.tqdm(total=total_steps * len(stages), initial=step,
-                       desc=f"{task.name} train", unit="step", dynamic_ncols=True, disable=None)
+                       desc=f"{task.name} train", unit="step", dynamic_ncols=True,
+                       disable=None if is_main else True)
   for stage_index, stage in enumerate(stages):
     if stage_index < resume["stage_index"]:
       continue  # finished before the restart; its params are in the restored state
     tx, schedule = create_optimizer(config, total_steps, frozen=stage.frozen)
     state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+    state_sharding = parallel.state_sharding(state, mesh, shard_params=config.shard_params)
+    state = parallel.put(state, state_sharding)
     if saved and stage_index == saved["stage_index"]:
       state = run_checkpoints.restore_state(state)
+    replicated = parallel.replicated(mesh)
     train_step = jax.jit(make_train_step(
         model, tx, schedule, task, objective=stage.objective, aux_weight=config["lambda"],
         temperature=config.temperature, anchors=config.anchors,
         measure_conflict=config.measure_conflict, exit_weights=stage.exit_weights,
         gate_granularity=config.gate, cl_weight=config.cl_weight, teacher=config.teacher,
-        kd_temperature=config.kd_temperature, gate_chunk=config.gate_chunk), donate_argnums=0)
-    stage_rng = jax.random.fold_in(dropout_rng, stage_index)
+        kd_temperature=config.kd_temperature, gate_chunk=config.gate_chunk),
+        in_shardings=(state_sharding, parallel.batch_sharding(mesh), replicated),
+        out_shardings=(state_sharding, replicated), donate_argnums=0)
+    stage_rng = jax.device_put(jax.random.fold_in(dropout_rng, stage_index), replicated)
     stage_end = (stage_index + 1) * total_steps
     window, window_examples, window_start = [], 0.0, time.perf_counter()
     while step < stage_end:
@@ -612,7 +690,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                                       boundaries=boundaries, seed=config.seed, epoch=epoch,
                                       start=position):
         valid = float(batch["mask"].sum())
-        inputs = {k: batch[k] for k in (*MODEL_INPUTS, "labels", "mask")}
+        inputs = parallel.global_batch({k: batch[k] for k in (*MODEL_INPUTS, "labels", "mask")},
+                                       mesh)
         state, step_metrics = train_step(state, inputs, stage_rng)
         step += 1
         position += 1
@@ -690,7 +769,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       "checkpoints": {"latest_step": step, "best_step": best["step"],
                       "resumed_from_step": meta["resumed_from_step"]},
   }
-  (workdir / "eval_results.json").write_text(json.dumps(eval_results, indent=2) + "\n")
+  if is_main:
+    (workdir / "eval_results.json").write_text(json.dumps(eval_results, indent=2) + "\n")
   logging.info("Final %s; best %s at step %d", history[-1], best[main_split][main_metric],
                best["step"])
   return eval_results

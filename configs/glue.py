@@ -41,11 +41,12 @@ PRESET_KEYS = {
     "pooler": str,
     "teacher": str,
     "checkpoint_every": int,
+    "devices": int,
 }
 # Bare words in the config string that switch a boolean field on.
-FLAG_PRESETS = ("multi_exit", "overwrite")
+FLAG_PRESETS = ("multi_exit", "overwrite", "shard_params")
 # Preset names that differ from the config field they set.
-_FIELD = {"epochs": "num_epochs", "lr": "learning_rate"}
+_FIELD = {"epochs": "num_epochs", "lr": "learning_rate", "devices": "num_devices"}
 
 
 def parse_preset(arg: str | None) -> tuple[str, dict[str, str]]:
@@ -131,6 +132,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Rerunning in a workdir that holds another config's run is refused unless this is set
   # (the `overwrite` preset): then that run's outputs are deleted first.
   config.overwrite = False
+
+  # Devices of the data-parallel mesh; 0 = all (of every host). batch_size and
+  # eval_batch_size are global and must divide evenly over them.
+  config.num_devices = 0
+  # Also split large parameters and Adam's moments over the devices (FSDP-style) instead of
+  # replicating them: less memory per device, more communication.
+  config.shard_params = False
 
   config.data = ml_collections.ConfigDict()
   # GLUE TSV root in the original layout; unset = $GLUE_DIR, else the HF hub.

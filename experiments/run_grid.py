@@ -6,14 +6,14 @@
 Each run is `python -m acl_jax.main --config=configs/glue.py:<task>,<preset>,objective=<o>,
 seed=<s> --workdir=<root>/<task>_<objective>_s<seed>`, a separate process, so a crash or a
 kill loses at most the run in flight; rerunning the same command continues the grid (a run
-counts as finished when its eval_results.json exists). Long grids may span several sessions.
+counts as finished when its eval_results.json exists). An unfinished run resumes from its last
+checkpoint (its log gets the new output appended). Long grids may span several sessions.
 Summarize with experiments/summarize.py.
 """
 
 import argparse
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
 import time
@@ -49,10 +49,9 @@ def main():
     print(f"[{i}/{len(todo)}] {' '.join(command[1:])}", flush=True)
     if args.dry_run:
       continue
-    shutil.rmtree(workdir, ignore_errors=True)  # an unfinished run restarts from scratch
-    workdir.mkdir(parents=True)
+    workdir.mkdir(parents=True, exist_ok=True)  # an unfinished run resumes from its checkpoint
     start = time.time()
-    with open(workdir / "log.txt", "w") as log:
+    with open(workdir / "log.txt", "a") as log:
       proc = subprocess.run(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
                             env=dict(os.environ))
     status = "ok" if proc.returncode == 0 else f"FAILED (exit {proc.returncode})"

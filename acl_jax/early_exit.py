@@ -1,0 +1,481 @@
+"""Early-exit inference for multi-exit BERT: exit policies, counted and measured speed-ups.
+
+Policies (METHOD.md section 6), each a state machine stepped exit by exit:
+  entropy   DeeBERT: exit at the first exit whose prediction entropy < threshold (nats);
+  patience  PABEE: exit once the argmax has stayed the same for `threshold` consecutive exits
+            (classification), or the prediction has moved by less than `tolerance` for
+            `threshold` consecutive exits (regression, PABEE's STS-B variant);
+  pcee      patience plus confidence: count consecutive exits whose normalized entropy
+            H(p)/log K is below `threshold`; exit when the count reaches `patience`.
+The last exit always exits.
+
+The same `policy_step` drives both paths, so they cannot disagree by construction:
+  - counted mode (`counted_exits`): one full forward of a batch, decisions vectorized over the
+    batch by a lax.scan over exits. Speed-up in the papers' convention, 1 - mean layers / L,
+    and as the ratio L / mean layers.
+  - real early exit (`EarlyExitRunner`): batch size 1, one compiled function per stage
+    (embeddings; a transformer layer, reused for every layer by passing that layer's
+    parameters; an exit head, reused for every exit), stepping layer by layer in Python and
+    stopping when the policy says so: the skipped layers are never run. A vmapped lax.cond
+    would run both branches, so the real path is not vmapped.
+  - batched serving (`BatchedEarlyExit`): a batch where each example leaves at its own exit;
+    after every exit the rows still running are compacted (padded to a power of two so only a
+    few shapes compile) and the finished ones are not computed any further.
+"""
+
+import dataclasses
+import functools
+import math
+import time
+from typing import Any, Callable, Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from acl_jax.models import multi_exit
+from acl_jax.models.bert import BertLayer
+
+POLICIES = ("entropy", "patience", "pcee")
+REGRESSION_POLICIES = ("patience",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+  """One exit policy at one threshold.
+
+  threshold: entropy S in nats (entropy); the patience t (patience); the normalized-entropy
+  bound theta in (0, 1] (pcee). patience: pcee's t. tolerance: regression patience's bound on
+  the change between consecutive exits' predictions.
+  """
+  name: str
+  threshold: float
+  patience: int = 2
+  tolerance: float = 0.1
+
+  def __post_init__(self):
+    if self.name not in POLICIES:
+      raise ValueError(f"policy {self.name!r}; valid: {', '.join(POLICIES)}")
+    if self.name == "patience" and (self.threshold < 1 or self.threshold != int(self.threshold)):
+      raise ValueError(f"patience threshold {self.threshold} must be an integer >= 1")
+    if self.name == "pcee" and self.patience < 1:
+      raise ValueError(f"pcee patience {self.patience} must be >= 1")
+
+  def settings(self) -> dict[str, jax.Array]:
+    """The numbers policy_step reads, as float32 scalars (traced, not baked into a compile)."""
+    return {"threshold": jnp.float32(self.threshold), "patience": jnp.float32(self.patience),
+            "tolerance": jnp.float32(self.tolerance)}
+
+
+def entropy(logits: jax.Array) -> jax.Array:
+  """Prediction entropy in nats, [..., K] -> [...], float32."""
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+
+
+def init_state(batch_size: int) -> dict[str, jax.Array]:
+  """count: consecutive exits meeting the policy's condition; prev: the previous exit's
+  prediction (argmax or regressed value); started: whether an exit has been seen."""
+  return {"count": jnp.zeros((batch_size,), jnp.int32),
+          "prev": jnp.zeros((batch_size,), jnp.float32),
+          "started": jnp.zeros((batch_size,), bool)}
+
+
+def prediction(logits: jax.Array, regression: bool) -> jax.Array:
+  return logits[..., 0] if regression else jnp.argmax(logits, axis=-1)
+
+
+def policy_step(name: str, regression: bool, settings: dict[str, Any],
+                state: dict[str, jax.Array], logits: jax.Array, is_last: jax.Array | bool
+                ) -> tuple[dict[str, jax.Array], jax.Array]:
+  """Feeds one exit's logits [B, K]; returns the new state and whether each row exits here.
+
+  name: the policy; settings: Policy.settings() (numbers, which may be traced: one compiled
+  step serves every threshold).
+  """
+  pred = prediction(logits, regression).astype(jnp.float32)
+  if name != "patience" and regression:
+    raise ValueError(f"the {name} policy needs class probabilities; use patience for "
+                     "regression tasks")
+  if name == "entropy":
+    return state, (entropy(logits) < settings["threshold"]) | is_last
+  if name == "patience":
+    if regression:
+      same = jnp.abs(pred - state["prev"]) < settings["tolerance"]
+    else:
+      same = pred == state["prev"]
+    count = jnp.where(state["started"] & same, state["count"] + 1, 0)
+    target = settings["threshold"]
+  else:  # pcee
+    normalized = entropy(logits) / math.log(logits.shape[-1])
+    count = jnp.where(normalized < settings["threshold"], state["count"] + 1, 0)
+    target = settings["patience"]
+  new_state = {"count": count, "prev": pred, "started": jnp.ones_like(state["started"])}
+  return new_state, (count >= target) | is_last
+
+
+def counted_exits(policy: Policy, exit_logits: jax.Array, *, regression: bool = False
+                  ) -> tuple[jax.Array, jax.Array]:
+  """Decisions for a batch from a full forward: exit_logits [E, B, K] -> (exit index [B] into
+  the E exits, prediction [B] at that exit)."""
+  return _counted(policy.name, regression, policy.settings(), jnp.asarray(exit_logits))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _counted(name: str, regression: bool, settings, exit_logits):
+  num_exits, batch = exit_logits.shape[:2]
+
+  def scan_step(carry, inputs):
+    state, done, chosen = carry
+    index, logits = inputs
+    state, exit_now = policy_step(name, regression, settings, state, logits,
+                                  index == num_exits - 1)
+    chosen = jnp.where(~done & exit_now, index, chosen)
+    return (state, done | exit_now, chosen), None
+
+  init = (init_state(batch), jnp.zeros((batch,), bool), jnp.full((batch,), num_exits - 1))
+  (_, _, chosen), _ = jax.lax.scan(scan_step, init, (jnp.arange(num_exits), exit_logits))
+  preds = prediction(jnp.take_along_axis(exit_logits, chosen[None, :, None], axis=0)[0],
+                     regression)
+  return chosen, preds
+
+
+def speedup(layers_used: np.ndarray, num_layers: int) -> dict[str, float]:
+  """The papers' speed-up 1 - mean layers / L, and the ratio L / mean layers."""
+  mean_layers = float(np.mean(layers_used))
+  return {"mean_layers": mean_layers, "speedup": 1.0 - mean_layers / num_layers,
+          "speedup_ratio": num_layers / mean_layers}
+
+
+def default_thresholds(name: str, num_exits: int, num_labels: int) -> list[float]:
+  """The sweep drawn as a quality-speed curve."""
+  if name == "patience":
+    return [float(t) for t in range(1, num_exits)]
+  if name == "entropy":  # fractions of the largest possible entropy, log K
+    return [round(f * math.log(num_labels), 4) for f in
+            (0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)]
+  return [0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
+
+
+def _pow2_at_least(n: int) -> int:
+  return 1 << max(n - 1, 0).bit_length()
+
+
+class _Stages:
+  """The compiled stages of a MultiExitBert, each reused across layers or exits."""
+
+  def __init__(self, model: multi_exit.MultiExitBert, params):
+    if not isinstance(model, multi_exit.MultiExitBert):
+      raise TypeError("early exit needs a multi-exit model (the `multi_exit` preset)")
+    self.model, self.params = model, params
+    self.num_layers = model.config.num_hidden_layers
+    self.exit_layers = model.resolved_exit_layers()
+    self.regression = model.num_labels == 1
+    variables = {"params": params}
+    self.embed = jax.jit(lambda ids, mask, types: model.apply(
+        variables, ids, mask, types, method=multi_exit.MultiExitBert.embed))
+    layer = BertLayer(model.config, model.dtype, model.precision, parent=None)
+    # One function for every layer: the layer's parameters are an argument, not a constant.
+    self.layer = jax.jit(lambda p, hidden, bias: layer.apply({"params": p}, hidden, bias))
+    self.layer_params = [params["bert"]["encoder"]["layer"][str(i)]
+                         for i in range(self.num_layers)]
+    head = multi_exit.ExitHead(model.config, model.num_labels, own_pooler=True,
+                               dtype=model.dtype, precision=model.precision, parent=None)
+    self.head = jax.jit(lambda p, hidden: head.apply(
+        {"params": p}, hidden, method=lambda m, h: m.classify(m.pool(h))))
+    shared = params["bert"]["pooler"]
+    self.head_params = {
+        layer: {"pooler": params[f"exit_{layer}"].get("pooler", shared),
+                "classifier": params[f"exit_{layer}"]["classifier"]}
+        for layer in self.exit_layers}
+    self.full = jax.jit(lambda ids, mask, types: model.apply(
+        variables, ids, mask, types)["logits"][-1])
+    self._steps = {}
+
+  def policy_step(self, policy: Policy) -> Callable:
+    """policy_step compiled once per policy name; the threshold is an argument."""
+    if policy.name not in self._steps:
+      self._steps[policy.name] = jax.jit(
+          functools.partial(policy_step, policy.name, self.regression))
+    return functools.partial(self._steps[policy.name], policy.settings())
+
+
+class EarlyExitRunner(_Stages):
+  """Real early exit at batch size 1: layers after the exit are never computed."""
+
+  def __call__(self, policy: Policy, input_ids, attention_mask, token_type_ids
+               ) -> tuple[np.ndarray, int]:
+    """(prediction [1], exit layer) for one example given as [1, T] arrays."""
+    step = self.policy_step(policy)
+    hidden, bias = self.embed(input_ids, attention_mask, token_type_ids)
+    state = init_state(1)
+    last_exit = self.exit_layers[-1]
+    for layer in range(1, last_exit + 1):
+      hidden = self.layer(self.layer_params[layer - 1], hidden, bias)
+      if layer in self.head_params:
+        logits = self.head(self.head_params[layer], hidden)
+        state, exit_now = step(state, logits, layer == last_exit)
+        if bool(exit_now[0]):  # the host decides: the only sync per exit
+          return np.asarray(prediction(logits, self.regression)), layer
+    raise AssertionError("the last exit always exits")
+
+  def full_model(self, input_ids, attention_mask, token_type_ids) -> np.ndarray:
+    """The full model's prediction (every layer, last exit): the latency baseline."""
+    return np.asarray(prediction(self.full(input_ids, attention_mask, token_type_ids),
+                                 self.regression))
+
+
+class BatchedEarlyExit(_Stages):
+  """Per-example exits inside a batch: finished rows leave, the rest run on, compacted."""
+
+  def __call__(self, policy: Policy, input_ids, attention_mask, token_type_ids
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """(predictions [B], exit layers [B]) for one batch of [B, T] arrays."""
+    batch = input_ids.shape[0]
+    step = self.policy_step(policy)
+    hidden, bias = self.embed(input_ids, attention_mask, token_type_ids)
+    state = init_state(batch)
+    active = np.arange(batch)  # original row of each running row
+    preds = np.zeros((batch,), np.float32 if self.regression else np.int32)
+    exits = np.zeros((batch,), np.int32)
+    last_exit = self.exit_layers[-1]
+    for layer in range(1, last_exit + 1):
+      hidden = self.layer(self.layer_params[layer - 1], hidden, bias)
+      if layer not in self.head_params:
+        continue
+      logits = self.head(self.head_params[layer], hidden)
+      state, exit_now = step(state, logits, layer == last_exit)
+      done = np.asarray(exit_now)[:len(active)]
+      preds[active[done]] = np.asarray(prediction(logits, self.regression))[:len(active)][done]
+      exits[active[done]] = layer
+      active = active[~done]
+      if not len(active):
+        break
+      keep = np.flatnonzero(~done)
+      # Pad the survivors to a power of two by repeating the first one: a few static shapes.
+      rows = np.concatenate([keep, np.full(_pow2_at_least(len(keep)) - len(keep), keep[0])])
+      hidden, bias = hidden[rows], bias[rows]
+      state = jax.tree.map(lambda x: x[rows], state)
+    return preds, exits
+
+
+def timed(fn: Callable, examples: Iterable[tuple], *, repeats: int = 1) -> tuple[float, list]:
+  """Mean seconds per call of fn(*example) over the examples (each result synced), and the
+  results of the last repeat."""
+  examples = list(examples)
+  start = time.perf_counter()
+  for _ in range(repeats):
+    outputs = [jax.block_until_ready(fn(*example)) for example in examples]
+  return (time.perf_counter() - start) / (repeats * len(examples)), outputs
+
+
+def single_examples(encoded, boundaries: Sequence[int]) -> list[tuple[np.ndarray, ...]]:
+  """Every example of a split as batch-1 arrays, padded to its length bucket."""
+  from acl_jax import data
+  out = []
+  for i in range(len(encoded)):
+    length = min(b for b in boundaries if b >= encoded.lengths[i])
+    batch = data.make_batch(encoded, np.array([i]), int(length))
+    out.append((batch["input_ids"], batch["attention_mask"], batch["token_type_ids"]))
+  return out
+
+
+def _all_exit_logits(run, encoded) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Counted mode's one full forward: (exit logits [E, N, K], labels [N], mask [N]) over a
+  split in eval order (padded rows masked)."""
+  from acl_jax import data
+  from acl_jax import train
+  forward = jax.jit(lambda params, *inputs: run.model.apply(
+      {"params": params}, *inputs, deterministic=True)["logits"])
+  logits, labels, mask = [], [], []
+  for batch in data.eval_batches(encoded, batch_size=run.config.eval_batch_size,
+                                 boundaries=run.boundaries):
+    logits.append(forward(run.params, *(batch[k] for k in train.MODEL_INPUTS)))
+    labels.append(batch["labels"])
+    mask.append(batch["mask"])
+  return (np.concatenate(jax.device_get(logits), axis=1), np.concatenate(labels),
+          np.concatenate(mask))
+
+
+def _eval_order(encoded, boundaries: Sequence[int], batch_size: int) -> np.ndarray:
+  """Example index of every row of eval_batches (-1 for padding rows)."""
+  from acl_jax import data
+  return np.concatenate([b["index"] for b in data.eval_batches(
+      encoded, batch_size=batch_size, boundaries=boundaries)])
+
+
+def sweep(run, *, split: str | None = None, policies: Sequence[str] | None = None,
+          pcee_patience: int = 2, tolerance: float = 0.1, measure: bool = True,
+          max_examples: int | None = None, server_batch_size: int = 32,
+          log: Callable[[str], None] = print) -> dict[str, Any]:
+  """Sweeps every policy's threshold on a trained multi-exit run: the dev metric and counted
+  speed-up for each, and (measure=True) the measured batch-1 latency of real early exiting
+  against the full model, in this same process. Returns early_exit.json's content."""
+  from acl_jax import metrics as metrics_lib
+  if not isinstance(run.model, multi_exit.MultiExitBert):
+    raise ValueError(f"{run.workdir} is a single-exit run; early exit needs a multi-exit one "
+                     "(train with the `multi_exit` preset)")
+  task = run.task
+  split = split or next(iter(task.eval_splits))
+  regression = task.is_regression
+  valid = REGRESSION_POLICIES if regression else POLICIES
+  policies = list(policies or valid)
+  bad = [p for p in policies if p not in valid]
+  if bad:
+    raise ValueError(f"policies {bad} do not apply to {task.name}; valid: {', '.join(valid)}")
+  encoded = run.load_split(split)
+  exit_layers = run.model.resolved_exit_layers()
+  num_layers = run.model.config.num_hidden_layers
+  exit_logits, labels, mask = _all_exit_logits(run, encoded)
+  order = _eval_order(encoded, run.boundaries, run.config.eval_batch_size)
+
+  def score(preds) -> dict[str, float]:
+    return metrics_lib.compute(task, np.asarray(preds), labels, mask)
+
+  per_exit = {f"exit{layer}": score(prediction(exit_logits[i], regression))
+              for i, layer in enumerate(exit_layers)}
+  result = {"workdir": str(run.workdir), "task": task.name, "split": split,
+            "objective": run.config.objective, "checkpoint_step": run.step,
+            "main_metric": task.main_metric, "num_layers": num_layers,
+            "exit_layers": list(exit_layers), "per_exit": per_exit,
+            "examples": int(mask.sum()), "policies": {}}
+  settings = {"pcee": {"patience": pcee_patience}, "patience": {"tolerance": tolerance}}
+  grid = []
+  for name in policies:
+    for threshold in default_thresholds(name, len(exit_layers), max(task.num_labels, 2)):
+      policy = Policy(name, threshold, patience=pcee_patience, tolerance=tolerance)
+      chosen, preds = counted_exits(policy, jnp.asarray(exit_logits), regression=regression)
+      layers = np.asarray(exit_layers)[np.asarray(chosen)][mask > 0]
+      row = {"threshold": threshold, **settings.get(name, {}),
+             "metrics": score(preds), **speedup(layers, num_layers)}
+      result["policies"].setdefault(name, []).append(row)
+      grid.append((policy, row, np.asarray(chosen), np.asarray(preds)))
+  if not measure:
+    return result
+
+  # Real early exit at batch size 1, on the first max_examples examples of the split.
+  runner = EarlyExitRunner(run.model, run.params)
+  rows_of = {int(i): r for r, i in enumerate(order) if i >= 0}
+  count = len(encoded) if max_examples is None else min(max_examples, len(encoded))
+  examples = single_examples(encoded, run.boundaries)[:count]
+  warm = {int(ex[0].shape[1]): ex for ex in examples}.values()  # one per length: compiles
+  for example in warm:
+    runner.full_model(*example)
+    for policy, *_ in grid:
+      runner(policy, *example)
+  log(f"measuring batch-1 latency on {count} {split} examples, "
+      f"{len(grid)} thresholds and the full model")
+  full_before, _ = timed(runner.full_model, examples)
+  agree = []
+  for policy, row, chosen, preds in grid:
+    seconds, outputs = timed(functools.partial(runner, policy), examples)
+    exits = np.array([layer for _, layer in outputs])
+    counted_layers = np.asarray(exit_layers)[chosen[[rows_of[i] for i in range(count)]]]
+    agree.append(float(np.mean(exits == counted_layers)))
+    row.update(measured_latency_ms=1e3 * seconds, measured_examples=count,
+               measured_mean_layers=float(exits.mean()),
+               counted_mean_layers_on_measured=float(counted_layers.mean()),
+               exits_agree_with_counted=agree[-1])
+  full_after, _ = timed(runner.full_model, examples)
+  full = (full_before + full_after) / 2
+  result["full_model"] = {"latency_ms": 1e3 * full, "latency_ms_before": 1e3 * full_before,
+                          "latency_ms_after": 1e3 * full_after, "metrics": per_exit[
+                              f"exit{exit_layers[-1]}"]}
+  for _, row, *_ in grid:
+    row["measured_speedup_ratio"] = full / (row["measured_latency_ms"] / 1e3)
+    # Against the speed-up counted on the same examples (the measured subset).
+    counted = num_layers / row["counted_mean_layers_on_measured"]
+    row["measured_over_counted"] = row["measured_speedup_ratio"] / counted
+
+  # Batched serving: the threshold nearest a counted 2x of each policy, at server_batch_size.
+  result["batched"] = _measure_batched(run, encoded, grid, server_batch_size, log, max_examples)
+  result["device"] = str(jax.devices()[0])
+  return result
+
+
+def _measure_batched(run, encoded, grid, batch_size: int, log, max_examples: int | None
+                     ) -> list[dict[str, Any]]:
+  from acl_jax import data
+  from acl_jax import train
+  server = BatchedEarlyExit(run.model, run.params)
+  batches = [tuple(b[k] for k in train.MODEL_INPUTS) for b in data.eval_batches(
+      encoded, batch_size=batch_size, boundaries=run.boundaries)]
+  if max_examples is not None:
+    batches = batches[:max(1, -(-max_examples // batch_size))]
+  out = []
+  by_policy = {}
+  for policy, row, *_ in grid:
+    best = by_policy.get(policy.name)
+    if best is None or abs(row["speedup_ratio"] - 2) < abs(best[1]["speedup_ratio"] - 2):
+      by_policy[policy.name] = (policy, row)
+  for policy, row in by_policy.values():
+    for batch in batches:  # compile each compacted shape before timing
+      server(policy, *batch)
+      server.full(*batch)
+    early, _ = timed(functools.partial(server, policy), batches)
+    full, _ = timed(server.full, batches)
+    out.append({"policy": policy.name, "threshold": policy.threshold,
+                "batch_size": batch_size, "counted_speedup_ratio": row["speedup_ratio"],
+                "full_examples_per_s": batch_size / full,
+                "early_exit_examples_per_s": batch_size / early,
+                "throughput_gain": full / early})
+    log(f"batched {policy.name} {policy.threshold}: {out[-1]['throughput_gain']:.2f}x "
+        "throughput")
+  return out
+
+
+def plot(results: Sequence[dict[str, Any]], path, *, labels: Sequence[str] | None = None,
+         title: str | None = None) -> None:
+  """Quality-speed curves: the dev metric against the speed-up ratio L / mean layers,
+  counted (lines) and measured at batch size 1 (hollow markers), one colour per run."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  styles = {"entropy": "-", "patience": "--", "pcee": ":"}
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for index, result in enumerate(results):
+    colour = f"C{index}"
+    label = labels[index] if labels else f"{result['objective']}"
+    metric = result["main_metric"]
+    for name, rows in result["policies"].items():
+      xs = [r["speedup_ratio"] for r in rows]
+      ys = [r["metrics"][metric] for r in rows]
+      ax.plot(xs, ys, styles.get(name, "-"), color=colour, marker="o", markersize=3,
+              label=f"{label} {name}")
+      measured = [(r["measured_speedup_ratio"], r["metrics"][metric]) for r in rows
+                  if "measured_speedup_ratio" in r]
+      if measured:
+        ax.scatter(*zip(*measured), facecolors="none", edgecolors=colour, s=30)
+  ax.set_xlabel("speed-up ratio L / mean layers (lines: counted; circles: measured, batch 1)")
+  ax.set_ylabel(f"dev {results[0]['main_metric']}")
+  ax.set_title(title or f"{results[0]['task']}: quality-speed trade-off")
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=7, ncol=2)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def run_on_workdir(workdir, *, which: str = "latest", max_examples: int | None = None,
+                   measure: bool = True, log: Callable[[str], None] = print) -> dict[str, Any]:
+  """--mode=early_exit: sweeps a trained multi-exit run and writes <workdir>/early_exit.json
+  and <workdir>/early_exit.png."""
+  import json
+  import pathlib
+  from acl_jax import train
+  run = train.load_trained_run(workdir, which=which)
+  result = sweep(run, max_examples=max_examples, measure=measure, log=log)
+  result["params"] = which
+  result["meta"] = train.run_metadata()
+  out = pathlib.Path(run.workdir)
+  (out / "early_exit.json").write_text(json.dumps(result, indent=2) + "\n")
+  plot([result], out / "early_exit.png")
+  for name, rows in result["policies"].items():
+    for row in rows:
+      measured = (f", measured {row['measured_speedup_ratio']:.2f}x "
+                  f"({row['measured_latency_ms']:.2f} ms)" if "measured_speedup_ratio" in row
+                  else "")
+      log(f"{name} {row['threshold']:g}: {result['main_metric']} "
+          f"{row['metrics'][result['main_metric']]:.4f}, counted {row['speedup_ratio']:.2f}x"
+          + measured)
+  return result

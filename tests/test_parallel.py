@@ -1,0 +1,126 @@
+"""Data parallelism: 8 simulated CPU devices train exactly like one device."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from acl_jax import parallel
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# Runs in a child process, since the device count is fixed when JAX starts: the same tiny
+# ACL fine-tune on 1 device, on 8 with the state replicated, and on 8 with parameters and
+# optimizer state sharded; then a batch size that 8 devices cannot split.
+_CHILD = r"""
+import json, pathlib, sys
+import jax, numpy as np
+from acl_jax import checkpointing, train
+from tests.conftest import tiny_run_config
+
+model_dir, glue_dir, tmp = sys.argv[1], sys.argv[2], pathlib.Path(sys.argv[3])
+assert jax.device_count() == 8, jax.devices()
+report = {}
+for name, devices, shard in (("one", 1, False), ("eight", 8, False), ("sharded", 8, True)):
+  workdir = tmp / name
+  config = tiny_run_config(model_dir, glue_dir, tmp, objective="acl", num_devices=devices,
+                           shard_params=shard, batch_size=16, max_steps=4, log_every=1,
+                           eval_every=4)
+  results = train.train_and_evaluate(config, workdir)
+  params, _ = checkpointing.load_params(workdir)
+  np.savez(tmp / f"{name}.npz", **{"/".join(map(str, k)): np.asarray(v) for k, v in
+                                   jax.tree_util.tree_flatten_with_path(params)[0]})
+  rows = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+  report[name] = {"losses": [r["loss"] for r in rows if "loss" in r],
+                  "ce": [r["ce"] for r in rows if "ce" in r],
+                  "kept": [r["kept"] for r in rows if "kept" in r],
+                  "dev": results["final"]["validation"],
+                  "mesh": json.loads((workdir / "config.json").read_text())["meta"]["mesh"]}
+config = tiny_run_config(model_dir, glue_dir, tmp, objective="ce", batch_size=12, max_steps=1)
+try:
+  train.train_and_evaluate(config, tmp / "indivisible")
+  report["indivisible"] = None
+except ValueError as e:
+  report["indivisible"] = str(e)
+print("REPORT " + json.dumps(report))
+"""
+
+
+@pytest.fixture(scope="module")
+def eight_device_report(tiny_bert_dir, glue_dir, tmp_path_factory):
+  tmp = tmp_path_factory.mktemp("parallel")
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, "-c", _CHILD, str(tiny_bert_dir), str(glue_dir),
+                         str(tmp)], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                        timeout=900)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+  line = next(l for l in proc.stdout.splitlines() if l.startswith("REPORT "))
+  report = json.loads(line[len("REPORT "):])
+  params = {name: dict(np.load(tmp / f"{name}.npz")) for name in ("one", "eight", "sharded")}
+  return report, params
+
+
+@pytest.mark.parametrize("name", ["eight", "sharded"])
+def test_eight_devices_train_like_one(eight_device_report, name):
+  report, params = eight_device_report
+  one, many = report["one"], report[name]
+  assert one["mesh"]["devices"] == 1 and many["mesh"]["devices"] == 8
+  assert many["mesh"]["shard_params"] == (name == "sharded")
+  assert len(one["losses"]) == 4
+  np.testing.assert_allclose(many["losses"], one["losses"], rtol=0, atol=1e-5)
+  np.testing.assert_allclose(many["ce"], one["ce"], rtol=0, atol=1e-5)
+  assert many["kept"] == one["kept"]  # the gate decided the same way on every step
+  assert params[name].keys() == params["one"].keys()
+  for key, reference in params["one"].items():
+    np.testing.assert_allclose(params[name][key], reference, rtol=0, atol=1e-5, err_msg=key)
+
+
+def test_dev_metric_is_the_same_on_one_and_eight_devices(eight_device_report):
+  # RTE dev has 277 examples: the padded last batch must count each exactly once on 8 devices.
+  report, _ = eight_device_report
+  assert report["eight"]["dev"] == pytest.approx(report["one"]["dev"], abs=1e-9)
+  assert report["sharded"]["dev"] == pytest.approx(report["one"]["dev"], abs=1e-9)
+
+
+def test_a_batch_that_does_not_split_over_the_devices_is_refused(eight_device_report):
+  message = eight_device_report[0]["indivisible"]
+  assert message is not None
+  assert "batch_size=12" in message and "8 devices" in message and "multiple of 8" in message
+
+
+@pytest.mark.parametrize("environ, expected", [
+    ({}, False),
+    ({"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234"}, True),
+    ({"SLURM_NTASKS": "1"}, False),
+    ({"SLURM_NTASKS": "4"}, True),
+    ({"OMPI_COMM_WORLD_SIZE": "2"}, True),
+    ({"TPU_WORKER_HOSTNAMES": "localhost"}, False),
+    ({"TPU_WORKER_HOSTNAMES": "t1v-0,t1v-1"}, True),
+    ({"SLURM_NTASKS": "4", "ACL_JAX_DISTRIBUTED": "0"}, False),
+    ({"ACL_JAX_DISTRIBUTED": "1"}, True),
+])
+def test_multi_host_detection_reads_the_environment(environ, expected):
+  assert parallel.wants_distributed(environ) is expected
+
+
+def test_sharded_state_splits_large_tensors_on_a_divisible_axis():
+  import jax
+  mesh = parallel.make_mesh(1)
+  tree = {"embedding": np.zeros((30522, 32)), "bias": np.zeros(32), "kernel": np.zeros((7, 4096))}
+  specs = {k: s.spec for k, s in parallel.state_sharding(tree, mesh, shard_params=True).items()}
+  # One device divides everything: the largest axis is split.
+  assert specs == {"embedding": jax.sharding.PartitionSpec("data", None),
+                   "bias": jax.sharding.PartitionSpec(),
+                   "kernel": jax.sharding.PartitionSpec(None, "data")}
+  replicated = parallel.state_sharding(tree, mesh, shard_params=False)
+  assert all(s.spec == jax.sharding.PartitionSpec() for s in replicated.values())
+
+
+def test_too_many_devices_is_a_clear_error():
+  with pytest.raises(ValueError, match=r"num_devices=99: this job has \d+ devices"):
+    parallel.make_mesh(99)
