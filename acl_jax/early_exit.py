@@ -225,6 +225,73 @@ class EarlyExitRunner(_Stages):
                                  self.regression))
 
 
+class LoopEarlyExit(_Stages):
+  """Real early exit at batch size 1 inside one compiled lax.while_loop.
+
+  The loop body runs one layer (its parameters indexed from the stacked layers) and, at an
+  exit layer, the head and the policy under a lax.cond (a scalar predicate, not vmapped, so
+  only the taken branch runs); the loop ends when the policy exits. No host round trip per
+  exit, one compile per length bucket and policy. EarlyExitRunner's per-layer functions are
+  the alternative; `sweep` times both ("runner_comparison" in early_exit.json). On a 2-core
+  CPU with MiniLM the per-layer functions were faster (22 vs 30 ms for two layers), so
+  EarlyExitRunner is the one the sweep reports.
+  """
+
+  def __init__(self, model: multi_exit.MultiExitBert, params):
+    super().__init__(model, params)
+    stack = lambda trees: jax.tree.map(lambda *x: jnp.stack(x), *trees)
+    self.stacked_layers = stack(self.layer_params)
+    self.stacked_heads = stack([self.head_params[layer] for layer in self.exit_layers])
+    # For layer l (1-based): the index of its exit among the exits, or -1.
+    exit_index = np.full(self.num_layers + 1, -1, np.int32)
+    exit_index[list(self.exit_layers)] = np.arange(len(self.exit_layers))
+    self.exit_index = jnp.asarray(exit_index)
+    self._loops = {}
+
+  def _loop(self, name: str) -> Callable:
+    if name in self._loops:
+      return self._loops[name]
+    layer_fn, head_fn = self.layer, self.head  # jitted; inlined when traced inside the loop
+    last_exit, regression = self.exit_layers[-1], self.regression
+
+    def run(settings, stacked_layers, stacked_heads, exit_index, ids, mask, types):
+      hidden, bias = self.embed(ids, mask, types)
+
+      def body(carry):
+        layer, hidden, state, _, pred = carry
+        layer = layer + 1
+        hidden = layer_fn(jax.tree.map(lambda x: x[layer - 1], stacked_layers), hidden, bias)
+
+        def at_exit(state):
+          head = jax.tree.map(lambda x: x[exit_index[layer]], stacked_heads)
+          logits = head_fn(head, hidden)
+          state, exit_now = policy_step(name, regression, settings, state, logits,
+                                        layer == last_exit)
+          return state, exit_now[0], prediction(logits, regression).astype(jnp.float32)[0]
+
+        def no_exit(state):
+          return state, jnp.zeros((), bool), pred
+
+        state, done, pred = jax.lax.cond(exit_index[layer] >= 0, at_exit, no_exit, state)
+        return layer, hidden, state, done, pred
+
+      init = (jnp.int32(0), hidden, init_state(1), jnp.zeros((), bool), jnp.float32(0))
+      layer, _, _, _, pred = jax.lax.while_loop(lambda c: ~c[3], body, init)
+      return pred, layer
+
+    self._loops[name] = jax.jit(run)
+    return self._loops[name]
+
+  def __call__(self, policy: Policy, input_ids, attention_mask, token_type_ids
+               ) -> tuple[np.ndarray, int]:
+    """(prediction [1], exit layer) for one example given as [1, T] arrays."""
+    pred, layer = self._loop(policy.name)(policy.settings(), self.stacked_layers,
+                                          self.stacked_heads, self.exit_index, input_ids,
+                                          attention_mask, token_type_ids)
+    pred = np.asarray(pred)[None]
+    return (pred if self.regression else pred.astype(np.int64)), int(layer)
+
+
 class BatchedEarlyExit(_Stages):
   """Per-example exits inside a batch: finished rows leave, the rest run on, compacted."""
 
@@ -387,10 +454,48 @@ def sweep(run, *, split: str | None = None, policies: Sequence[str] | None = Non
     counted = num_layers / row["counted_mean_layers_on_measured"]
     row["measured_over_counted"] = row["measured_speedup_ratio"] / counted
 
+  result["runner_comparison"] = _compare_runners(run, runner, examples, grid, log)
   # Batched serving: the threshold nearest a counted 2x of each policy, at server_batch_size.
   result["batched"] = _measure_batched(run, encoded, grid, server_batch_size, log, max_examples)
   result["device"] = str(jax.devices()[0])
   return result
+
+
+def _nearest_2x(grid) -> list[tuple[Policy, dict[str, Any]]]:
+  """Each policy's threshold whose counted speed-up ratio is nearest 2x, with its row."""
+  by_policy = {}
+  for policy, row, *_ in grid:
+    best = by_policy.get(policy.name)
+    if best is None or abs(row["speedup_ratio"] - 2) < abs(best[1]["speedup_ratio"] - 2):
+      by_policy[policy.name] = (policy, row)
+  return list(by_policy.values())
+
+
+def _compare_runners(run, runner, examples, grid, log) -> list[dict[str, Any]]:
+  """Per-layer functions (EarlyExitRunner) against one lax.while_loop (LoopEarlyExit), timed
+  alternately on the same examples at each policy's ~2x threshold: the measurement behind
+  EarlyExitRunner being the default."""
+  loop = LoopEarlyExit(run.model, run.params)
+  out = []
+  for policy, row in _nearest_2x(grid):
+    call, looped = functools.partial(runner, policy), functools.partial(loop, policy)
+    for example in {int(ex[0].shape[1]): ex for ex in examples}.values():
+      looped(*example)  # compile each length bucket
+    times = {"per_layer": [], "while_loop": []}
+    for _ in range(2):
+      times["per_layer"].append(timed(call, examples)[0])
+      seconds, outputs = timed(looped, examples)
+      times["while_loop"].append(seconds)
+    agree = np.mean([layer == runner(policy, *ex)[1] for ex, (_, layer) in
+                     zip(examples, outputs)])
+    out.append({"policy": policy.name, "threshold": policy.threshold,
+                "per_layer_latency_ms": 1e3 * float(np.mean(times["per_layer"])),
+                "while_loop_latency_ms": 1e3 * float(np.mean(times["while_loop"])),
+                "exits_agree": float(agree)})
+    log(f"runners at {policy.name} {policy.threshold}: per-layer "
+        f"{out[-1]['per_layer_latency_ms']:.2f} ms, while_loop "
+        f"{out[-1]['while_loop_latency_ms']:.2f} ms")
+  return out
 
 
 def _measure_batched(run, encoded, grid, batch_size: int, log, max_examples: int | None
@@ -403,12 +508,7 @@ def _measure_batched(run, encoded, grid, batch_size: int, log, max_examples: int
   if max_examples is not None:
     batches = batches[:max(1, -(-max_examples // batch_size))]
   out = []
-  by_policy = {}
-  for policy, row, *_ in grid:
-    best = by_policy.get(policy.name)
-    if best is None or abs(row["speedup_ratio"] - 2) < abs(best[1]["speedup_ratio"] - 2):
-      by_policy[policy.name] = (policy, row)
-  for policy, row in by_policy.values():
+  for policy, row in _nearest_2x(grid):
     for batch in batches:  # compile each compacted shape before timing
       server(policy, *batch)
       server.full(*batch)

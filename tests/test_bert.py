@@ -196,3 +196,38 @@ def test_sequences_longer_than_the_position_table_are_refused(tiny_bert_dir):
   ids = np.zeros((1, config.max_position_embeddings + 1), np.int32)
   with pytest.raises(ValueError, match="exceeds max_position_embeddings=128"):
     bert.BertModel(config).apply({"params": params}, ids)
+
+
+def _dropout(rate, x, seed=0, deterministic=False):
+  return bert.Dropout(rate).apply({}, x, deterministic=deterministic,
+                                  rngs={"dropout": jax.random.key(seed)})
+
+
+def test_dropout_keeps_each_element_independently_with_the_right_probability():
+  x = jnp.full((256, 64, 63), 2.0)  # an odd last axis and size: the tail word is half used
+  y = np.asarray(_dropout(0.1, x))
+  threshold = round(0.9 * 65536)
+  keep_prob = threshold / 65536
+  kept = y != 0
+  n = kept.size
+  # Kept values are scaled so the expectation is exact; dropped ones are exactly zero.
+  np.testing.assert_allclose(y[kept], 2.0 * 65536 / threshold, rtol=1e-6)
+  sigma = np.sqrt(keep_prob * (1 - keep_prob) / n)
+  assert abs(kept.mean() - keep_prob) < 5 * sigma
+  # Two elements share a 32-bit word and four share a hash: their decisions must not
+  # correlate. Neighbours at distances 1..4 in the flat order, and a far one, as a control.
+  flat = kept.reshape(-1).astype(np.float64)
+  for lag in (1, 2, 3, 4, 1001):
+    corr = np.corrcoef(flat[:-lag], flat[lag:])[0, 1]
+    assert abs(corr) < 5 / np.sqrt(n), (lag, corr)
+
+
+def test_dropout_masks_follow_the_key():
+  x = jnp.ones((8, 128))
+  np.testing.assert_array_equal(_dropout(0.1, x, seed=3), _dropout(0.1, x, seed=3))
+  assert not np.array_equal(_dropout(0.1, x, seed=3), _dropout(0.1, x, seed=4))
+  np.testing.assert_array_equal(_dropout(0.1, x, deterministic=True), x)
+  np.testing.assert_array_equal(_dropout(0.0, x), x)
+  np.testing.assert_array_equal(_dropout(1.0, x), np.zeros_like(x))
+  half = np.asarray(_dropout(0.5, jnp.ones((1000, 100)))) != 0
+  assert abs(half.mean() - 0.5) < 5 * np.sqrt(0.25 / half.size)

@@ -165,6 +165,22 @@ def test_real_early_exit_matches_counted_mode_and_skips_layers(trained_like):
   assert len(exits_seen) >= 3
 
 
+def test_while_loop_runner_matches_counted_mode(trained_like):
+  model, params, dev = trained_like
+  examples = early_exit.single_examples(dev, (32, 64))[:16]
+  runner = early_exit.LoopEarlyExit(model, params)
+  forward = jax.jit(lambda *inputs: model.apply({"params": params}, *inputs)["logits"])
+  exits_seen = set()
+  for policy in POLICIES:
+    for ids, mask, types in examples:
+      chosen, preds = early_exit.counted_exits(policy, forward(ids, mask, types))
+      pred, layer = runner(policy, ids, mask, types)  # the loop ran `layer` iterations
+      assert layer == model.resolved_exit_layers()[int(chosen[0])]
+      assert pred[0] == preds[0]
+      exits_seen.add(layer)
+  assert len(exits_seen) >= 3
+
+
 def test_batched_server_path_matches_counted_mode(trained_like):
   model, params, dev = trained_like
   server = early_exit.BatchedEarlyExit(model, params)
@@ -198,6 +214,8 @@ def test_early_exit_mode_writes_results_and_curve(tiny_bert_dir, glue_dir, tmp_p
       assert row["exits_agree_with_counted"] == 1.0
       assert 1.0 <= row["speedup_ratio"] <= 2.0 and row["measured_latency_ms"] > 0
   assert {r["policy"] for r in on_disk["batched"]} == {"entropy", "patience", "pcee"}
+  for row in on_disk["runner_comparison"]:
+    assert row["exits_agree"] == 1.0 and row["while_loop_latency_ms"] > 0
 
 
 def test_early_exit_mode_needs_a_trained_multi_exit_run(tiny_bert_dir, glue_dir, tmp_path):

@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from acl_jax.models.bert import (Array, BertConfig, BertLayer, BertModel, BertPooler, Dtype,
-                                 classifier_dense)
+from acl_jax.models.bert import (Array, BertConfig, BertLayer, BertModel, BertPooler, Dropout,
+                                 Dtype, classifier_dense)
 
 POOLERS = ("shared", "per_exit")
 EXIT_WEIGHTS = ("asc", "uniform", "desc")
@@ -109,7 +109,7 @@ class ExitHead(nn.Module):
       self.pooler = BertPooler(self.config, self.dtype, self.precision)
     rate = (self.config.hidden_dropout_prob if self.classifier_dropout is None
             else self.classifier_dropout)
-    self.dropout = nn.Dropout(rate)
+    self.dropout = Dropout(rate)
     self.classifier = classifier_dense(self.config, self.num_labels, self.precision)
 
   def pool(self, hidden: Array) -> Array:
