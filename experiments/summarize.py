@@ -22,11 +22,12 @@ def load_run(workdir: pathlib.Path) -> dict | None:
   results = json.loads(results_file.read_text())
   config, meta = saved["config"], saved["meta"]
   final = results["final"]
-  metrics = {f"{split}/{name}": value for split, values in final.items() if split != "step"
-             for name, value in values.items()}
+  metrics = {f"{split}/{name}": value for split, values in final.items()
+             if isinstance(values, dict) for name, value in values.items()}
   return {
       "workdir": str(workdir),
       "task": config["task"], "model": config["model"], "objective": config["objective"],
+      "multi_exit": config.get("multi_exit", False), "gate": config.get("gate"),
       "lr": config["learning_rate"], "epochs": config["num_epochs"],
       "max_steps": config["max_steps"], "batch_size": config["batch_size"],
       "seed": config["seed"], "metrics": metrics, "main_metric": results["main_metric"],
@@ -50,6 +51,24 @@ def mean_std(values):
   return statistics.fmean(values), std
 
 
+# Objectives whose multi-exit runs have a gate granularity worth naming.
+GATED = ("acl", "acl_project", "acl_cl")
+
+
+def per_exit_row(task: str, objective: str, group: list[dict]) -> tuple[list[str], str]:
+  """A multi-exit group's main metric at every exit and on average: (exit names, row)."""
+  split, _, metric = group[0]["main_metric"].partition("/")
+  metric = metric.split("/")[-1]
+  exits = sorted({name.split("/")[1] for name in group[0]["metrics"] if "/exit" in name},
+                 key=lambda e: int(e[len("exit"):]))
+  cells = []
+  for exit_name in [*exits, "avg"]:
+    m, s = mean_std(r["metrics"][f"{split}/{exit_name}/{metric}"] for r in group)
+    cells.append(f"{m:.4f} ± {s:.4f}" if len(group) > 1 else f"{m:.4f}")
+  seeds = ",".join(str(r["seed"]) for r in sorted(group, key=lambda r: r["seed"]))
+  return exits, f"| {task} | {objective} | {seeds} | {metric} | " + " | ".join(cells) + " |"
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("workdirs", nargs="+", type=pathlib.Path)
@@ -66,13 +85,23 @@ def main():
 
   groups = collections.defaultdict(list)
   for run in runs:
-    groups[(run["task"], run["model"], run["objective"], run["lr"], run["epochs"],
+    objective = run["objective"]
+    if run["multi_exit"]:
+      objective = f"multi-exit {objective}" + (f" ({run['gate']} gate)"
+                                               if objective in GATED else "")
+    groups[(run["task"], run["model"], objective, run["lr"], run["epochs"],
             run["max_steps"])].append(run)
   lines = ["| task | model | objective | lr | epochs | seeds | dev metrics (mean ± std) "
            "| train s/run | train ex/s | commit |",
            "|---|---|---|---|---|---|---|---|---|---|"]
+  per_exit_lines = []
   for (task, model, objective, lr, epochs, _), group in sorted(groups.items()):
     names = sorted(group[0]["metrics"])
+    if group[0]["multi_exit"]:
+      per_exit_lines.append(per_exit_row(task, objective, group))
+      # The main table keeps the average over exits and the last exit.
+      last = max(n.split("/")[1] for n in names if "/exit" in n)
+      names = [n for n in names if "/avg/" in n or f"/{last}/" in n]
     cells = []
     for name in names:
       m, s = mean_std(r["metrics"][name] for r in group)
@@ -83,6 +112,12 @@ def main():
     seeds = ",".join(str(r["seed"]) for r in sorted(group, key=lambda r: r["seed"]))
     lines.append(f"| {task} | {model} | {objective} | {lr:g} | {epochs} | {seeds} | "
                  f"{'; '.join(cells)} | {secs:.0f} | {rate:.1f} | {commits} |")
+  if per_exit_lines:
+    exits = per_exit_lines[0][0]
+    lines += ["", "Per exit (dev, mean ± std over seeds):", "",
+              "| task | objective | seeds | metric | " + " | ".join(exits) + " | avg |",
+              "|---|---|---|---|" + "---|" * (len(exits) + 1)]
+    lines += [row for _, row in per_exit_lines]
   args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
   print("\n".join(lines))
 

@@ -8,10 +8,14 @@ import json
 import os
 import pathlib
 import shutil
+import tempfile
 
 import pytest
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+# Tokenized GLUE splits shared by this process's test runs (keyed by text and tokenizer, so
+# sharing is safe); tests of the cache itself use their own directories.
+TOKEN_CACHE = pathlib.Path(tempfile.mkdtemp(prefix="acl_jax_test_tokens_"))
 
 
 @pytest.fixture(scope="session")
@@ -73,7 +77,7 @@ def rte_train_batches(ckpt_dir, glue_dir, cache_dir, *, count: int, seed: int,
           for _, b in zip(range(count), batches)]
 
 
-def tiny_run_config(model_dir, glue_dir, tmp_path, preset: str = "rte", **overrides):
+def tiny_run_config(model_dir, glue_dir, preset: str = "rte", **overrides):
   """configs/glue.py:<preset>,model=<model_dir>, shrunk to run in seconds on a tiny model."""
   from configs import glue
   config = glue.get_config(f"{preset},model={model_dir}")
@@ -83,7 +87,7 @@ def tiny_run_config(model_dir, glue_dir, tmp_path, preset: str = "rte", **overri
   config.max_length = 64
   config.data.buckets = (32,)
   config.data.glue_dir = str(glue_dir)
-  config.data.cache_dir = str(tmp_path / "cache")
+  config.data.cache_dir = str(TOKEN_CACHE)
   for key, value in overrides.items():
     config[key] = value
   return config

@@ -140,7 +140,7 @@ def test_measure_conflict_logs_cosine_without_changing_the_update(setup):
 
 
 def test_acl_run_logs_gate_terms(tiny_bert_dir, glue_dir, tmp_path):
-  config = tiny_run_config(tiny_bert_dir, glue_dir, tmp_path, "rte,objective=acl,max_steps=4")
+  config = tiny_run_config(tiny_bert_dir, glue_dir, "rte,objective=acl,max_steps=4")
   train.train_and_evaluate(config, str(tmp_path / "run"))
   rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text()
           .splitlines() if '"loss"' in line]

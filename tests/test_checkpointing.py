@@ -91,7 +91,7 @@ def test_deebert_resumes_at_and_after_its_stage_boundary(tiny_bert_dir, glue_dir
                                                          monkeypatch):
   """DeeBERT's two stages: a crash right after the stage-1 end checkpoint and one inside
   stage 2 both resume to the uninterrupted run's parameters."""
-  config = tiny_run_config(tiny_bert_dir, glue_dir, tmp_path,
+  config = tiny_run_config(tiny_bert_dir, glue_dir,
                            "rte,multi_exit,objective=deebert,max_steps=6,checkpoint_every=2",
                            learning_rate=1e-3)
   reference = train.train_and_evaluate(config, tmp_path / "reference")
@@ -120,9 +120,9 @@ def test_deebert_resumes_at_and_after_its_stage_boundary(tiny_bert_dir, glue_dir
 
 def test_a_workdir_with_another_config_is_refused_unless_overwrite(tiny_bert_dir, glue_dir,
                                                                     tmp_path):
-  config = tiny_run_config(tiny_bert_dir, glue_dir, tmp_path, "rte,objective=ce,max_steps=2")
+  config = tiny_run_config(tiny_bert_dir, glue_dir, "rte,objective=ce,max_steps=2")
   train.train_and_evaluate(config, tmp_path / "run")
-  other = tiny_run_config(tiny_bert_dir, glue_dir, tmp_path, "rte,objective=ce,max_steps=2,seed=1")
+  other = tiny_run_config(tiny_bert_dir, glue_dir, "rte,objective=ce,max_steps=2,seed=1")
   with pytest.raises(ValueError, match=r"another config \(seed: 0 -> 1\).*overwrite"):
     train.train_and_evaluate(other, tmp_path / "run")
   other.overwrite = True
@@ -136,7 +136,7 @@ def test_an_unreadable_run_directory_gets_a_clear_error(tiny_bert_dir, glue_dir,
   workdir = tmp_path / "run"
   workdir.mkdir()
   (workdir / "config.json").write_text("{not json")
-  config = tiny_run_config(tiny_bert_dir, glue_dir, tmp_path, "rte,objective=ce,max_steps=2")
+  config = tiny_run_config(tiny_bert_dir, glue_dir, "rte,objective=ce,max_steps=2")
   with pytest.raises(ValueError, match=r"config\.json: unreadable run directory"):
     train.train_and_evaluate(config, workdir)
   (workdir / "config.json").unlink()
@@ -147,7 +147,7 @@ def test_an_unreadable_run_directory_gets_a_clear_error(tiny_bert_dir, glue_dir,
 
 def test_a_diverging_run_stops_naming_step_and_term_and_saves_nothing_non_finite(
     tiny_bert_dir, glue_dir, tmp_path):
-  config = tiny_run_config(tiny_bert_dir, glue_dir, tmp_path,
+  config = tiny_run_config(tiny_bert_dir, glue_dir,
                            "rte,objective=acl,max_steps=30,checkpoint_every=1",
                            learning_rate=1e12, warmup_ratio=0.0, max_grad_norm=1e30)
   with pytest.raises(FloatingPointError, match=r"step (\d+): the (loss|ce|aux|grad_norm) term "

@@ -196,7 +196,7 @@ def test_batched_server_path_matches_counted_mode(trained_like):
 
 
 def test_early_exit_mode_writes_results_and_curve(tiny_bert_dir, glue_dir, tmp_path):
-  config = tiny_run_config(tiny_bert_dir, glue_dir, tmp_path, "rte,multi_exit,objective=ce,"
+  config = tiny_run_config(tiny_bert_dir, glue_dir, "rte,multi_exit,objective=ce,"
                            "max_steps=4")
   workdir = tmp_path / "run"
   train.train_and_evaluate(config, workdir)
@@ -221,7 +221,7 @@ def test_early_exit_mode_writes_results_and_curve(tiny_bert_dir, glue_dir, tmp_p
 def test_early_exit_mode_needs_a_trained_multi_exit_run(tiny_bert_dir, glue_dir, tmp_path):
   with pytest.raises(FileNotFoundError, match="not a run directory"):
     early_exit.run_on_workdir(tmp_path / "nothing")
-  config = tiny_run_config(tiny_bert_dir, glue_dir, tmp_path, "rte,objective=ce,max_steps=2")
+  config = tiny_run_config(tiny_bert_dir, glue_dir, "rte,objective=ce,max_steps=2")
   train.train_and_evaluate(config, tmp_path / "single")
   with pytest.raises(ValueError, match="single-exit run; early exit needs a multi-exit one"):
     early_exit.run_on_workdir(tmp_path / "single")

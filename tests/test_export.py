@@ -32,7 +32,7 @@ def first_dev_batch(run):
                                     "rte,multi_exit,pooler=per_exit,objective=ce"])
 def test_export_loads_in_transformers_with_the_same_logits(tiny_bert_dir, glue_dir, tmp_path,
                                                            preset):
-  config = tiny_run_config(tiny_bert_dir, glue_dir, tmp_path, f"{preset},max_steps=3",
+  config = tiny_run_config(tiny_bert_dir, glue_dir, f"{preset},max_steps=3",
                            learning_rate=1e-2)
   if config.multi_exit:
     config.exit_layers = (1,)  # the final exit below the last layer: a truncated encoder
@@ -62,8 +62,8 @@ def test_every_exit_head_is_in_the_sidecar_file(tiny_bert_dir, glue_dir, tmp_pat
   logits: the sidecar is enough to rebuild every exit in PyTorch."""
   import torch
   import transformers
-  config = tiny_run_config(tiny_bert_dir, glue_dir, tmp_path,
-                           "rte,multi_exit,objective=ce,max_steps=2", learning_rate=1e-2)
+  config = tiny_run_config(tiny_bert_dir, glue_dir, "rte,multi_exit,objective=ce,max_steps=2",
+                           learning_rate=1e-2)
   train.train_and_evaluate(config, tmp_path / "run")
   run = train.load_trained_run(tmp_path / "run")
   out = checkpoints.export_hf(run)

@@ -27,7 +27,7 @@ assert jax.device_count() == 8, jax.devices()
 report = {}
 for name, devices, shard in (("one", 1, False), ("eight", 8, False), ("sharded", 8, True)):
   workdir = tmp / name
-  config = tiny_run_config(model_dir, glue_dir, tmp, objective="acl", num_devices=devices,
+  config = tiny_run_config(model_dir, glue_dir, objective="acl", num_devices=devices,
                            shard_params=shard, batch_size=16, max_steps=4, log_every=1,
                            eval_every=4)
   results = train.train_and_evaluate(config, workdir)
@@ -40,7 +40,7 @@ for name, devices, shard in (("one", 1, False), ("eight", 8, False), ("sharded",
                   "kept": [r["kept"] for r in rows if "kept" in r],
                   "dev": results["final"]["validation"],
                   "mesh": json.loads((workdir / "config.json").read_text())["meta"]["mesh"]}
-config = tiny_run_config(model_dir, glue_dir, tmp, objective="ce", batch_size=12, max_steps=1)
+config = tiny_run_config(model_dir, glue_dir, objective="ce", batch_size=12, max_steps=1)
 try:
   train.train_and_evaluate(config, tmp / "indivisible")
   report["indivisible"] = None

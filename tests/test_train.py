@@ -14,8 +14,8 @@ from configs import glue
 from conftest import tiny_run_config
 
 
-def tiny_config(model_dir, glue_dir, tmp_path, **overrides):
-  return tiny_run_config(model_dir, glue_dir, tmp_path, "rte,objective=ce,max_steps=6",
+def tiny_config(model_dir, glue_dir, **overrides):
+  return tiny_run_config(model_dir, glue_dir, "rte,objective=ce,max_steps=6",
                          **{"learning_rate": 1e-3, **overrides})
 
 
@@ -89,7 +89,7 @@ def test_optimizer_matches_torch_adamw_with_clipping_and_decay_mask():
 
 def test_rte_run_writes_the_run_directory(tiny_bert_dir, glue_dir, tmp_path):
   workdir = tmp_path / "run"
-  config = tiny_config(tiny_bert_dir, glue_dir, tmp_path)
+  config = tiny_config(tiny_bert_dir, glue_dir)
   results = train.train_and_evaluate(config, str(workdir))
 
   saved = json.loads((workdir / "config.json").read_text())
@@ -134,10 +134,12 @@ def test_eval_counts_every_dev_example_once(tiny_bert_dir, glue_dir, tmp_path):
   assert by_batch[7] == by_batch[32] == by_batch[300]
 
   predictions = np.zeros(len(dev.lengths), np.int64)
+  forward = jax.jit(lambda ids, types: model.apply(
+      {"params": params}, ids, jnp.ones_like(ids), types)["logits"])  # one compile per length
   for i in range(len(dev.lengths)):
     ids = dev.input_ids[dev.offsets[i]:dev.offsets[i + 1]][None]
     types = dev.token_type_ids[dev.offsets[i]:dev.offsets[i + 1]][None]
-    logits = model.apply({"params": params}, ids, np.ones_like(ids), types)["logits"]
+    logits = forward(ids, types)
     predictions[i] = int(np.argmax(logits[0]))
   assert by_batch[32] == metrics.compute(task, predictions, dev.labels)
 
@@ -148,7 +150,7 @@ def test_train_step_fits_one_batch(tiny_bert_dir, glue_dir, tmp_path):
   from acl_jax.models import bert
 
   task = data.get_task("rte")
-  config = tiny_config(tiny_bert_dir, glue_dir, tmp_path, learning_rate=2e-3, warmup_ratio=0.0)
+  config = tiny_config(tiny_bert_dir, glue_dir, learning_rate=2e-3, warmup_ratio=0.0)
   tokenizer = checkpoints.load_tokenizer(tiny_bert_dir)
   encoded = data.load_encoded(task, "train", tokenizer, max_length=64, glue_dir=glue_dir,
                               cache_dir=tmp_path / "cache")
@@ -171,7 +173,7 @@ def test_train_step_fits_one_batch(tiny_bert_dir, glue_dir, tmp_path):
 
 
 def test_stsb_regression_end_to_end(tiny_bert_dir, glue_dir, tmp_path):
-  config = tiny_config(tiny_bert_dir, glue_dir, tmp_path, task="stsb", max_steps=4,
+  config = tiny_config(tiny_bert_dir, glue_dir, task="stsb", max_steps=4,
                        eval_batch_size=128)
   results = train.train_and_evaluate(config, str(tmp_path / "stsb"))
   final = results["final"]["validation"]
@@ -183,6 +185,6 @@ def test_stsb_regression_end_to_end(tiny_bert_dir, glue_dir, tmp_path):
 
 
 def test_max_length_beyond_position_table_is_refused(tiny_bert_dir, glue_dir, tmp_path):
-  config = tiny_config(tiny_bert_dir, glue_dir, tmp_path, max_length=512)
+  config = tiny_config(tiny_bert_dir, glue_dir, max_length=512)
   with pytest.raises(ValueError, match=r"max_length=512.*max_position_embeddings=128"):
     train.train_and_evaluate(config, str(tmp_path / "run"))
