@@ -120,9 +120,16 @@ def load_params(workdir: pathlib.Path, abstract_params=None, *, which: str = "la
   step = manager.latest_step()
   if step is None:
     raise FileNotFoundError(f"{directory} holds no complete checkpoint")
-  # No target: the saved tree comes back as nested dicts of arrays, so the optimizer state
-  # (whose structure depends on the stage's optimizer) needs no template; only params are kept.
-  restored = manager.restore(step, args=ocp.args.Composite(**{item: ocp.args.StandardRestore()}))
+  # The target comes from the checkpoint's own metadata, so the optimizer state (whose
+  # structure depends on the stage's optimizer) needs no template; only params are kept. Every
+  # array lands on this process's first device, whatever mesh the run was trained on (a
+  # checkpoint from a pod loads on one CPU).
+  metadata = ocp.StandardCheckpointer().metadata(directory / str(step) / item).item_metadata
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
+                        metadata)
+  restored = manager.restore(step, args=ocp.args.Composite(
+      **{item: ocp.args.StandardRestore(target)}))
   params = restored[item]["params"] if which == "latest" else restored[item]
   if (abstract_params is not None
       and jax.tree.structure(params) != jax.tree.structure(abstract_params)):

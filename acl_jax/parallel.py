@@ -137,10 +137,17 @@ def state_sharding(tree: Any, mesh: Mesh, *, shard_params: bool = False) -> Any:
 
 
 def put(tree: Any, shardings: Any) -> Any:
-  """Places host values (identical on every host) as global arrays with these shardings."""
-  return jax.tree.map(
-      lambda x, s: jax.make_array_from_callback(np.shape(x), s, lambda index: np.asarray(x)[index]),
-      jax.device_get(tree), shardings)
+  """Places values that are identical on every host as global arrays with these shardings.
+
+  (jax.device_put cannot reach another host's devices.) PRNG keys travel as their key data.
+  """
+  def one(x, sharding):
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      return jax.random.wrap_key_data(one(jax.random.key_data(x), sharding),
+                                      impl=jax.random.key_impl(x))
+    host = np.asarray(jax.device_get(x))
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+  return jax.tree.map(one, tree, shardings)
 
 
 def global_batch(batch: Mapping[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:

@@ -681,7 +681,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         kd_temperature=config.kd_temperature, gate_chunk=config.gate_chunk),
         in_shardings=(state_sharding, parallel.batch_sharding(mesh), replicated),
         out_shardings=(state_sharding, replicated), donate_argnums=0)
-    stage_rng = jax.device_put(jax.random.fold_in(dropout_rng, stage_index), replicated)
+    stage_rng = parallel.put(jax.random.fold_in(dropout_rng, stage_index), replicated)
     stage_end = (stage_index + 1) * total_steps
     window, window_examples, window_start = [], 0.0, time.perf_counter()
     while step < stage_end:
