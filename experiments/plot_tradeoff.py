@@ -1,7 +1,8 @@
 """Quality-speed curves of several early-exit sweeps on one figure (the paper's main picture).
 
     python experiments/plot_tradeoff.py runs/me/rte_ce_s0 runs/me/rte_acl_s0 \
-        runs/me/rte_acl_cl_s0 --out experiments/results/early_exit/rte_tradeoff.png
+        runs/me/rte_acl_cl_s0 --out experiments/results/early_exit/rte_tradeoff.png \
+        --table experiments/results/early_exit/rte_speedups.md
 
 Each argument is a run directory holding early_exit.json (python -m acl_jax.main
 --mode=early_exit --workdir=<run>) or such a file itself. Lines: counted speed-up; hollow
@@ -27,6 +28,9 @@ def main(argv=None):
   parser.add_argument("--policies", default=None,
                       help="comma-separated subset of the policies to draw (default: all)")
   parser.add_argument("--title", default=None)
+  parser.add_argument("--table", type=pathlib.Path, default=None,
+                      help="also write a markdown table: per run and policy, the threshold "
+                           "nearest a counted 2x with its counted and measured speed-ups")
   args = parser.parse_args(argv)
   results = []
   for run in args.runs:
@@ -45,6 +49,29 @@ def main(argv=None):
   args.out.parent.mkdir(parents=True, exist_ok=True)
   early_exit.plot(results, args.out, labels=labels, title=args.title)
   print(f"wrote {args.out}")
+  if args.table:
+    args.table.write_text(speedup_table(results, labels) + "\n")
+    print(f"wrote {args.table}")
+
+
+def speedup_table(results, labels=None) -> str:
+  """Measured against counted speed-up at each policy's threshold nearest a counted 2x."""
+  lines = ["| run | policy | threshold | dev metric | counted L/mean layers | measured "
+           "(batch 1) | measured / counted | full model ms | exits agree |",
+           "|---|---|---|---|---|---|---|---|---|"]
+  for index, result in enumerate(results):
+    label = labels[index] if labels else f"{result['task']} {result['objective']}"
+    metric = result["main_metric"]
+    full = result.get("full_model", {}).get("latency_ms")
+    for name, rows in result["policies"].items():
+      row = min(rows, key=lambda r: abs(r["speedup_ratio"] - 2))
+      measured = row.get("measured_speedup_ratio")
+      lines.append(
+          f"| {label} | {name} | {row['threshold']:g} | {metric} {row['metrics'][metric]:.4f} "
+          f"| {row['speedup_ratio']:.2f}x | "
+          + (f"{measured:.2f}x | {row['measured_over_counted']:.2f} | {full:.1f} | "
+             f"{row['exits_agree_with_counted']:.3f} |" if measured else "- | - | - | - |"))
+  return "\n".join(lines)
 
 
 if __name__ == "__main__":

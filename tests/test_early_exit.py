@@ -142,14 +142,20 @@ POLICIES = [early_exit.Policy("entropy", 0.2), early_exit.Policy("entropy", 0.5)
             early_exit.Policy("pcee", 0.6, patience=2)]
 
 
-def test_real_early_exit_matches_counted_mode_and_skips_layers(trained_like):
+@pytest.mark.parametrize("exit_layers", [None, (2, 4)])  # None: an exit after every layer
+def test_real_early_exit_matches_counted_mode_and_skips_layers(trained_like, exit_layers):
   model, params, dev = trained_like
+  if exit_layers:  # layers 1 and 3 run without an exit head
+    model = model.clone(exit_layers=exit_layers)
+    params = {k: v for k, v in params.items() if k not in ("exit_1", "exit_3")}
   boundaries = (32, 64)
   examples = early_exit.single_examples(dev, boundaries)[:24]
   runner = early_exit.EarlyExitRunner(model, params)
-  layer_calls = []
-  run_layer = runner.layer
-  runner.layer = lambda *args: layer_calls.append(1) or run_layer(*args)
+  layer_calls = []  # one entry per layer computed: plain layers and fused layer-and-exit calls
+  counting = lambda fn: lambda *args: layer_calls.append(1) or fn(*args)
+  runner.layer = counting(runner.layer)
+  make_fused = runner.layer_and_exit
+  runner.layer_and_exit = lambda policy: counting(make_fused(policy))
   exits_seen = set()
   forward = jax.jit(lambda *inputs: model.apply({"params": params}, *inputs)["logits"])
   for policy in POLICIES:
@@ -162,7 +168,7 @@ def test_real_early_exit_matches_counted_mode_and_skips_layers(trained_like):
       assert pred[0] == preds[0]
       assert len(layer_calls) == layer  # the layers after the exit never ran
       exits_seen.add(layer)
-  assert len(exits_seen) >= 3
+  assert len(exits_seen) >= (2 if exit_layers else 3)
 
 
 def test_while_loop_runner_matches_counted_mode(trained_like):
