@@ -218,7 +218,13 @@ def test_early_exit_mode_writes_results_and_curve(tiny_bert_dir, glue_dir, tmp_p
   for rows in on_disk["policies"].values():
     for row in rows:
       assert row["exits_agree_with_counted"] == 1.0
-      assert 1.0 <= row["speedup_ratio"] <= 2.0 and row["measured_latency_ms"] > 0
+      # Two layers: the counted speed-ups in closed form from the mean exit layer, and the
+      # real runner used exactly the layers counted mode says.
+      assert 1.0 <= row["mean_layers"] <= 2.0
+      assert row["speedup_ratio"] == pytest.approx(2.0 / row["mean_layers"])
+      assert row["speedup"] == pytest.approx(1.0 - row["mean_layers"] / 2.0)
+      assert row["measured_mean_layers"] == pytest.approx(row["counted_mean_layers_on_measured"])
+      assert row["measured_latency_ms"] > 0
   assert {r["policy"] for r in on_disk["batched"]} == {"entropy", "patience", "pcee"}
   for row in on_disk["runner_comparison"]:
     assert row["exits_agree"] == 1.0 and row["while_loop_latency_ms"] > 0
