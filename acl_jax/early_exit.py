@@ -13,11 +13,11 @@ The same `policy_step` drives both paths, so they cannot disagree by constructio
   - counted mode (`counted_exits`): one full forward of a batch, decisions vectorized over the
     batch by a lax.scan over exits. Speed-up in the papers' convention, 1 - mean layers / L,
     and as the ratio L / mean layers.
-  - real early exit (`EarlyExitRunner`): batch size 1, one compiled function per stage
-    (embeddings; a transformer layer, reused for every layer by passing that layer's
-    parameters; an exit head, reused for every exit), stepping layer by layer in Python and
-    stopping when the policy says so: the skipped layers are never run. A vmapped lax.cond
-    would run both branches, so the real path is not vmapped.
+  - real early exit at batch size 1, two runners with the same results: `CompiledEarlyExit`
+    (the sweep's: the whole forward as one compiled program, the rest of the network in the
+    untaken branch of a lax.cond after each exit) and `EarlyExitRunner` (a compiled function
+    per layer, stepped from Python, one host sync per exit). Either way the layers after the
+    exit are never run. A vmapped lax.cond would run both branches, so neither is vmapped.
   - batched serving (`BatchedEarlyExit`): a batch where each example leaves at its own exit;
     after every exit the rows still running are compacted (padded to a power of two so only a
     few shapes compile) and the finished ones are not computed any further.
@@ -193,6 +193,12 @@ class _Stages:
     self.full = jax.jit(lambda ids, mask, types: model.apply(
         variables, ids, mask, types)["logits"][-1])
     self._steps = {}
+    self._full_prediction = jax.jit(lambda *inputs: prediction(self.full(*inputs),
+                                                               self.regression))
+
+  def full_model(self, input_ids, attention_mask, token_type_ids) -> np.ndarray:
+    """The full model's prediction (every layer, last exit): the latency baseline."""
+    return np.asarray(self._full_prediction(input_ids, attention_mask, token_type_ids))
 
   def policy_step(self, policy: Policy) -> Callable:
     """policy_step compiled once per policy name; the threshold is an argument."""
@@ -216,8 +222,6 @@ class EarlyExitRunner(_Stages):
     self._fused = {}
     self._settings = {}
     self._init = init_state(1)
-    self._full_prediction = jax.jit(lambda *inputs: prediction(self.full(*inputs),
-                                                               self.regression))
 
   def layer_and_exit(self, policy: Policy) -> Callable:
     """(settings, layer params, head params, hidden, bias, state, is_last) -> (hidden, state,
@@ -254,75 +258,61 @@ class EarlyExitRunner(_Stages):
         return np.asarray(pred), layer
     raise AssertionError("the last exit always exits")
 
-  def full_model(self, input_ids, attention_mask, token_type_ids) -> np.ndarray:
-    """The full model's prediction (every layer, last exit): the latency baseline."""
-    return np.asarray(self._full_prediction(input_ids, attention_mask, token_type_ids))
+class CompiledEarlyExit(_Stages):
+  """Real early exit at batch size 1 as one compiled program per policy and length bucket.
 
-
-class LoopEarlyExit(_Stages):
-  """Real early exit at batch size 1 inside one compiled lax.while_loop.
-
-  The loop body runs one layer (its parameters indexed from the stacked layers) and, at an
-  exit layer, the head and the policy under a lax.cond (a scalar predicate, not vmapped, so
-  only the taken branch runs); the loop ends when the policy exits. No host round trip per
-  exit, one compile per length bucket and policy. EarlyExitRunner's per-layer functions are
-  the alternative; `sweep` times both ("runner_comparison" in early_exit.json). On a 2-core
-  CPU with MiniLM on RTE the two were within 6% of each other (11.5 vs 12.2 ms at three
-  layers, before the per-layer runner fused each exit into one call), so the sweep reports
-  EarlyExitRunner, whose skipped layers a test can count.
+  The layers are unrolled; after each exit head the rest of the network sits in the false
+  branch of a lax.cond on the policy's scalar decision (not vmapped, so only the taken branch
+  runs): the layers after the exit are never computed, and there is no host round trip or
+  extra dispatch per exit. Each layer's parameters are a static element of a list, so nothing
+  is sliced or copied per layer (a lax.while_loop over stacked layers copies every layer's
+  weights out of the stack on each iteration, and measured no faster than the per-layer
+  runner). On a 2-core CPU with MiniLM at 64 tokens a never-exiting call cost 14.8 ms against
+  the full model's 14.0 ms, where EarlyExitRunner cost 15.7 ms (session-4 diagnostics); the
+  sweep times both on real data ("runner_comparison" in early_exit.json).
   """
 
   def __init__(self, model: multi_exit.MultiExitBert, params):
     super().__init__(model, params)
-    stack = lambda trees: jax.tree.map(lambda *x: jnp.stack(x), *trees)
-    self.stacked_layers = stack(self.layer_params)
-    self.stacked_heads = stack([self.head_params[layer] for layer in self.exit_layers])
-    # For layer l (1-based): the index of its exit among the exits, or -1.
-    exit_index = np.full(self.num_layers + 1, -1, np.int32)
-    exit_index[list(self.exit_layers)] = np.arange(len(self.exit_layers))
-    self.exit_index = jnp.asarray(exit_index)
-    self._loops = {}
+    self._programs = {}
+    self._settings = {}
 
-  def _loop(self, name: str) -> Callable:
-    if name in self._loops:
-      return self._loops[name]
-    layer_fn, head_fn = self.layer, self.head  # jitted; inlined when traced inside the loop
+  def program(self, name: str) -> Callable:
+    """(settings, layer params, head params, ids, mask, types) -> (prediction [], exit
+    layer []), compiled once per policy name (and input length)."""
+    if name in self._programs:
+      return self._programs[name]
     last_exit, regression = self.exit_layers[-1], self.regression
 
-    def run(settings, stacked_layers, stacked_heads, exit_index, ids, mask, types):
+    def run(settings, layer_params, head_params, ids, mask, types):
       hidden, bias = self.embed(ids, mask, types)
 
-      def body(carry):
-        layer, hidden, state, _, pred = carry
-        layer = layer + 1
-        hidden = layer_fn(jax.tree.map(lambda x: x[layer - 1], stacked_layers), hidden, bias)
+      def from_layer(layer, hidden, state):
+        hidden = self.layer_fn(layer_params[layer - 1], hidden, bias)
+        if layer not in head_params:
+          return from_layer(layer + 1, hidden, state)
+        logits = self.head_fn(head_params[layer], hidden)
+        state, exit_now = policy_step(name, regression, settings, state, logits,
+                                      layer == last_exit)
+        pred = prediction(logits, regression)[0].astype(jnp.float32)
+        if layer == last_exit:
+          return pred, jnp.int32(layer)
+        return jax.lax.cond(exit_now[0], lambda: (pred, jnp.int32(layer)),
+                            lambda: from_layer(layer + 1, hidden, state))
 
-        def at_exit(state):
-          head = jax.tree.map(lambda x: x[exit_index[layer]], stacked_heads)
-          logits = head_fn(head, hidden)
-          state, exit_now = policy_step(name, regression, settings, state, logits,
-                                        layer == last_exit)
-          return state, exit_now[0], prediction(logits, regression).astype(jnp.float32)[0]
+      return from_layer(1, hidden, init_state(1))
 
-        def no_exit(state):
-          return state, jnp.zeros((), bool), pred
-
-        state, done, pred = jax.lax.cond(exit_index[layer] >= 0, at_exit, no_exit, state)
-        return layer, hidden, state, done, pred
-
-      init = (jnp.int32(0), hidden, init_state(1), jnp.zeros((), bool), jnp.float32(0))
-      layer, _, _, _, pred = jax.lax.while_loop(lambda c: ~c[3], body, init)
-      return pred, layer
-
-    self._loops[name] = jax.jit(run)
-    return self._loops[name]
+    self._programs[name] = jax.jit(run)
+    return self._programs[name]
 
   def __call__(self, policy: Policy, input_ids, attention_mask, token_type_ids
                ) -> tuple[np.ndarray, int]:
     """(prediction [1], exit layer) for one example given as [1, T] arrays."""
-    pred, layer = self._loop(policy.name)(policy.settings(), self.stacked_layers,
-                                          self.stacked_heads, self.exit_index, input_ids,
-                                          attention_mask, token_type_ids)
+    if policy not in self._settings:  # device scalars made once, not per example
+      self._settings[policy] = policy.settings()
+    pred, layer = self.program(policy.name)(self._settings[policy], self.layer_params,
+                                            self.head_params, input_ids, attention_mask,
+                                            token_type_ids)
     pred = np.asarray(pred)[None]
     return (pred if self.regression else pred.astype(np.int64)), int(layer)
 
@@ -456,7 +446,7 @@ def sweep(run, *, split: str | None = None, policies: Sequence[str] | None = Non
     return result
 
   # Real early exit at batch size 1, on the first max_examples examples of the split.
-  runner = EarlyExitRunner(run.model, run.params)
+  runner = CompiledEarlyExit(run.model, run.params)
   rows_of = {int(i): r for r, i in enumerate(order) if i >= 0}
   count = len(encoded) if max_examples is None else min(max_examples, len(encoded))
   examples = single_examples(encoded, run.boundaries)[:count]
@@ -507,29 +497,29 @@ def _nearest_2x(grid) -> list[tuple[Policy, dict[str, Any]]]:
 
 
 def _compare_runners(run, runner, examples, grid, log) -> list[dict[str, Any]]:
-  """Per-layer functions (EarlyExitRunner) against one lax.while_loop (LoopEarlyExit), timed
-  alternately on the same examples at each policy's ~2x threshold: the measurement behind
-  EarlyExitRunner being the default."""
-  loop = LoopEarlyExit(run.model, run.params)
+  """One compiled program (CompiledEarlyExit, the sweep's runner) against per-layer functions
+  stepped from Python (EarlyExitRunner), timed alternately on the same examples at each
+  policy's ~2x threshold: the measurement behind the choice of runner."""
+  per_layer = EarlyExitRunner(run.model, run.params)
   out = []
   for policy, row in _nearest_2x(grid):
-    call, looped = functools.partial(runner, policy), functools.partial(loop, policy)
+    compiled, stepped = functools.partial(runner, policy), functools.partial(per_layer, policy)
     for example in {int(ex[0].shape[1]): ex for ex in examples}.values():
-      looped(*example)  # compile each length bucket
-    times = {"per_layer": [], "while_loop": []}
+      stepped(*example)  # compile each length bucket
+    times = {"compiled": [], "per_layer": []}
     for _ in range(2):
-      times["per_layer"].append(timed(call, examples)[0])
-      seconds, outputs = timed(looped, examples)
-      times["while_loop"].append(seconds)
+      times["compiled"].append(timed(compiled, examples)[0])
+      seconds, outputs = timed(stepped, examples)
+      times["per_layer"].append(seconds)
     agree = np.mean([layer == runner(policy, *ex)[1] for ex, (_, layer) in
                      zip(examples, outputs)])
     out.append({"policy": policy.name, "threshold": policy.threshold,
+                "compiled_latency_ms": 1e3 * float(np.mean(times["compiled"])),
                 "per_layer_latency_ms": 1e3 * float(np.mean(times["per_layer"])),
-                "while_loop_latency_ms": 1e3 * float(np.mean(times["while_loop"])),
                 "exits_agree": float(agree)})
-    log(f"runners at {policy.name} {policy.threshold}: per-layer "
-        f"{out[-1]['per_layer_latency_ms']:.2f} ms, while_loop "
-        f"{out[-1]['while_loop_latency_ms']:.2f} ms")
+    log(f"runners at {policy.name} {policy.threshold}: compiled "
+        f"{out[-1]['compiled_latency_ms']:.2f} ms, per-layer "
+        f"{out[-1]['per_layer_latency_ms']:.2f} ms")
   return out
 
 

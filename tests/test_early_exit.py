@@ -171,20 +171,35 @@ def test_real_early_exit_matches_counted_mode_and_skips_layers(trained_like, exi
   assert len(exits_seen) >= (2 if exit_layers else 3)
 
 
-def test_while_loop_runner_matches_counted_mode(trained_like):
+@pytest.mark.parametrize("exit_layers", [None, (2, 4)])
+def test_compiled_runner_matches_counted_mode_and_skips_layers(trained_like, exit_layers):
   model, params, dev = trained_like
+  if exit_layers:
+    model = model.clone(exit_layers=exit_layers)
+    params = {k: v for k, v in params.items() if k not in ("exit_1", "exit_3")}
   examples = early_exit.single_examples(dev, (32, 64))[:16]
-  runner = early_exit.LoopEarlyExit(model, params)
+  runner = early_exit.CompiledEarlyExit(model, params)
+  # A host callback inside the compiled layer runs once per layer the program computes: in
+  # the untaken branch of a lax.cond it never fires.
+  layers_run = []
+  layer_fn = runner.layer_fn
+  def counted_layer(p, hidden, bias):
+    jax.debug.callback(lambda: layers_run.append(1))
+    return layer_fn(p, hidden, bias)
+  runner.layer_fn = counted_layer
   forward = jax.jit(lambda *inputs: model.apply({"params": params}, *inputs)["logits"])
   exits_seen = set()
   for policy in POLICIES:
     for ids, mask, types in examples:
       chosen, preds = early_exit.counted_exits(policy, forward(ids, mask, types))
-      pred, layer = runner(policy, ids, mask, types)  # the loop ran `layer` iterations
+      layers_run.clear()
+      pred, layer = runner(policy, ids, mask, types)
+      jax.effects_barrier()
       assert layer == model.resolved_exit_layers()[int(chosen[0])]
       assert pred[0] == preds[0]
+      assert len(layers_run) == layer  # the layers after the exit never ran
       exits_seen.add(layer)
-  assert len(exits_seen) >= 3
+  assert len(exits_seen) >= (2 if exit_layers else 3)
 
 
 def test_batched_server_path_matches_counted_mode(trained_like):
@@ -227,7 +242,8 @@ def test_early_exit_mode_writes_results_and_curve(tiny_bert_dir, glue_dir, tmp_p
       assert row["measured_latency_ms"] > 0
   assert {r["policy"] for r in on_disk["batched"]} == {"entropy", "patience", "pcee"}
   for row in on_disk["runner_comparison"]:
-    assert row["exits_agree"] == 1.0 and row["while_loop_latency_ms"] > 0
+    assert row["exits_agree"] == 1.0 and row["per_layer_latency_ms"] > 0
+    assert row["compiled_latency_ms"] > 0
 
 
 def test_early_exit_mode_needs_a_trained_multi_exit_run(tiny_bert_dir, glue_dir, tmp_path):
