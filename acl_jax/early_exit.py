@@ -351,14 +351,20 @@ class BatchedEarlyExit(_Stages):
     return preds, exits
 
 
-def timed(fn: Callable, examples: Iterable[tuple], *, repeats: int = 1) -> tuple[float, list]:
-  """Mean seconds per call of fn(*example) over the examples (each result synced), and the
-  results of the last repeat."""
+def timed(fns: Sequence[Callable], examples: Iterable[tuple]) -> tuple[list[float], list]:
+  """Mean seconds per call of each fn(*example) over the examples, and each fn's results.
+
+  The functions run alternately, example by example (each result synced), so a machine that
+  speeds up or slows down during the measurement shifts them all alike and their ratio holds.
+  """
   examples = list(examples)
-  start = time.perf_counter()
-  for _ in range(repeats):
-    outputs = [jax.block_until_ready(fn(*example)) for example in examples]
-  return (time.perf_counter() - start) / (repeats * len(examples)), outputs
+  seconds, outputs = [0.0] * len(fns), [[] for _ in fns]
+  for example in examples:
+    for i, fn in enumerate(fns):
+      start = time.perf_counter()
+      outputs[i].append(jax.block_until_ready(fn(*example)))
+      seconds[i] += time.perf_counter() - start
+  return [s / len(examples) for s in seconds], outputs
 
 
 def single_examples(encoded, boundaries: Sequence[int]) -> list[tuple[np.ndarray, ...]]:
@@ -457,27 +463,27 @@ def sweep(run, *, split: str | None = None, policies: Sequence[str] | None = Non
       runner(policy, *example)
   log(f"measuring batch-1 latency on {count} {split} examples, "
       f"{len(grid)} thresholds and the full model")
-  full_before, _ = timed(runner.full_model, examples)
-  agree = []
+  # Each threshold is timed alternately with the full model, example by example: its speed-up
+  # is the ratio of the two, measured under the same machine conditions.
+  full_times = []
   for policy, row, chosen, preds in grid:
-    seconds, outputs = timed(functools.partial(runner, policy), examples)
+    (full, seconds), (_, outputs) = timed([runner.full_model, functools.partial(runner, policy)],
+                                          examples)
+    full_times.append(full)
     exits = np.array([layer for _, layer in outputs])
     counted_layers = np.asarray(exit_layers)[chosen[[rows_of[i] for i in range(count)]]]
-    agree.append(float(np.mean(exits == counted_layers)))
-    row.update(measured_latency_ms=1e3 * seconds, measured_examples=count,
+    row.update(measured_latency_ms=1e3 * seconds, full_latency_ms=1e3 * full,
+               measured_speedup_ratio=full / seconds, measured_examples=count,
                measured_mean_layers=float(exits.mean()),
                counted_mean_layers_on_measured=float(counted_layers.mean()),
-               exits_agree_with_counted=agree[-1])
-  full_after, _ = timed(runner.full_model, examples)
-  full = (full_before + full_after) / 2
-  result["full_model"] = {"latency_ms": 1e3 * full, "latency_ms_before": 1e3 * full_before,
-                          "latency_ms_after": 1e3 * full_after, "metrics": per_exit[
-                              f"exit{exit_layers[-1]}"]}
-  for _, row, *_ in grid:
-    row["measured_speedup_ratio"] = full / (row["measured_latency_ms"] / 1e3)
+               exits_agree_with_counted=float(np.mean(exits == counted_layers)))
     # Against the speed-up counted on the same examples (the measured subset).
-    counted = num_layers / row["counted_mean_layers_on_measured"]
-    row["measured_over_counted"] = row["measured_speedup_ratio"] / counted
+    row["measured_over_counted"] = row["measured_speedup_ratio"] / (
+        num_layers / row["counted_mean_layers_on_measured"])
+  result["full_model"] = {"latency_ms": 1e3 * float(np.mean(full_times)),
+                          "latency_ms_min": 1e3 * min(full_times),
+                          "latency_ms_max": 1e3 * max(full_times),
+                          "metrics": per_exit[f"exit{exit_layers[-1]}"]}
 
   result["runner_comparison"] = _compare_runners(run, runner, examples, grid, log)
   # Batched serving: the threshold nearest a counted 2x of each policy, at server_batch_size.
@@ -506,16 +512,10 @@ def _compare_runners(run, runner, examples, grid, log) -> list[dict[str, Any]]:
     compiled, stepped = functools.partial(runner, policy), functools.partial(per_layer, policy)
     for example in {int(ex[0].shape[1]): ex for ex in examples}.values():
       stepped(*example)  # compile each length bucket
-    times = {"compiled": [], "per_layer": []}
-    for _ in range(2):
-      times["compiled"].append(timed(compiled, examples)[0])
-      seconds, outputs = timed(stepped, examples)
-      times["per_layer"].append(seconds)
-    agree = np.mean([layer == runner(policy, *ex)[1] for ex, (_, layer) in
-                     zip(examples, outputs)])
+    (fast, slow), (ours, theirs) = timed([compiled, stepped], examples)
+    agree = np.mean([a[1] == b[1] for a, b in zip(ours, theirs)])
     out.append({"policy": policy.name, "threshold": policy.threshold,
-                "compiled_latency_ms": 1e3 * float(np.mean(times["compiled"])),
-                "per_layer_latency_ms": 1e3 * float(np.mean(times["per_layer"])),
+                "compiled_latency_ms": 1e3 * fast, "per_layer_latency_ms": 1e3 * slow,
                 "exits_agree": float(agree)})
     log(f"runners at {policy.name} {policy.threshold}: compiled "
         f"{out[-1]['compiled_latency_ms']:.2f} ms, per-layer "
@@ -537,8 +537,7 @@ def _measure_batched(run, encoded, grid, batch_size: int, log, max_examples: int
     for batch in batches:  # compile each compacted shape before timing
       server(policy, *batch)
       server.full(*batch)
-    early, _ = timed(functools.partial(server, policy), batches)
-    full, _ = timed(server.full, batches)
+    (early, full), _ = timed([functools.partial(server, policy), server.full], batches)
     out.append({"policy": policy.name, "threshold": policy.threshold,
                 "batch_size": batch_size, "counted_speedup_ratio": row["speedup_ratio"],
                 "full_examples_per_s": batch_size / full,
