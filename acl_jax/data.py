@@ -348,7 +348,9 @@ def _cache_key(examples: Examples, tokenizer, max_length: int) -> str:
   return h.hexdigest()
 
 
-def _cache_root(cache_dir: str | os.PathLike | bool | None) -> pathlib.Path | None:
+def cache_root(cache_dir: str | os.PathLike | bool | None = None) -> pathlib.Path | None:
+  """Where acl_jax caches (tokenized splits, compiled programs): cache_dir, else
+  $ACL_JAX_CACHE, else ~/.cache/acl_jax; False = no cache."""
   if cache_dir is False:
     return None
   if cache_dir is None or cache_dir is True:
@@ -384,7 +386,7 @@ def encode(examples: Examples, tokenizer, *, max_length: int,
   keyed by the texts, the split, the tokenizer's vocabulary and settings, and max_length;
   cache_dir=False disables the cache.
   """
-  root = _cache_root(cache_dir)
+  root = cache_root(cache_dir)
   path = None
   if root is not None:
     key = _cache_key(examples, tokenizer, max_length)

@@ -27,6 +27,11 @@ _PARAMS = flags.DEFINE_enum("params", "latest", ["latest", "best"],
                             "early_exit, export: the final (latest) or the best-dev params.")
 _MAX_EXAMPLES = flags.DEFINE_integer(
     "max_examples", None, "early_exit: dev examples timed at batch size 1 (default: all).")
+_COMPILATION_CACHE = flags.DEFINE_string(
+    "compilation_cache", "auto",
+    "Persistent XLA compilation cache: a directory, 'none', or 'auto' ($JAX_COMPILATION_CACHE_DIR,"
+    " else <$ACL_JAX_CACHE or ~/.cache/acl_jax>/xla/<CPU fingerprint>). Later runs of the same "
+    "programs (a grid's seeds, a resumed run) load them instead of compiling.")
 flags.mark_flags_as_required(["workdir"])
 
 
@@ -34,6 +39,8 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
   logging.set_verbosity(logging.INFO)
+  cache = train.enable_compilation_cache(_COMPILATION_CACHE.value)
+  logging.info("compilation cache: %s", cache or "off")
   if _MODE.value == "train":
     if _CONFIG.value is None:
       raise app.UsageError("--mode=train needs --config, e.g. --config=configs/glue.py:rte")

@@ -1,6 +1,7 @@
 """Fine-tuning: the train state, the compiled train step, evaluation, train_and_evaluate."""
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -352,6 +353,34 @@ def _machine() -> str:
   except (OSError, StopIteration):
     pass
   return f"{cpu}, {os.cpu_count()} cores"
+
+
+def enable_compilation_cache(setting: str = "auto") -> str | None:
+  """Turns on JAX's persistent compilation cache; returns its directory (None: off).
+
+  With it, the seeds of a grid, a resumed run and an early-exit sweep load the programs an
+  earlier process compiled instead of compiling them again (on a 2-core CPU each train step
+  shape takes about two minutes to compile). setting: a directory; "none" (off); or "auto":
+  $JAX_COMPILATION_CACHE_DIR if set, else <cache_root>/xla/<CPU fingerprint>. XLA:CPU entries
+  are native code for the CPU that compiled them and JAX's cache key does not name the CPU, so
+  the automatic directory is per CPU model and feature set: a home directory shared by
+  different machines never hands one of them another's code. Call before the first compile.
+  """
+  if setting == "none":
+    return None
+  if setting == "auto":
+    setting = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+  if not setting:
+    flags = ""
+    try:
+      with open("/proc/cpuinfo") as f:
+        flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+      pass
+    fingerprint = hashlib.sha256(f"{_machine()}|{platform.machine()}|{flags}".encode())
+    setting = str(data.cache_root() / "xla" / fingerprint.hexdigest()[:16])
+  jax.config.update("jax_compilation_cache_dir", setting)
+  return setting
 
 
 def run_metadata() -> dict[str, Any]:

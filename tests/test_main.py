@@ -15,18 +15,31 @@ def run_main(*args, glue_dir):
 
 
 def test_cli_trains_and_writes_the_run_directory(tiny_bert_dir, glue_dir, tmp_path):
-  workdir = tmp_path / "run"
-  proc = run_main(f"--config=configs/glue.py:rte,model={tiny_bert_dir},objective=ce,max_steps=3",
-                  "--config.batch_size=8", "--config.max_length=64",
-                  f"--config.data.cache_dir={tmp_path / 'cache'}", f"--workdir={workdir}",
-                  glue_dir=glue_dir)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  assert "validation accuracy=" in proc.stdout + proc.stderr
-  results = json.loads((workdir / "eval_results.json").read_text())
-  assert results["final"]["step"] == 3
-  saved = json.loads((workdir / "config.json").read_text())
-  assert saved["config"]["batch_size"] == 8
-  assert saved["meta"]["argv"][1].startswith("--config=configs/glue.py:rte")
+  """Also: the persistent compilation cache. A second run of the same program into another
+  workdir adds no cache entry (every compile was loaded) and lands on the same results."""
+  xla_cache = tmp_path / "xla"
+  results = {}
+  for name in ("run", "again"):
+    workdir = tmp_path / name
+    proc = run_main(
+        f"--config=configs/glue.py:rte,model={tiny_bert_dir},objective=ce,max_steps=3",
+        "--config.batch_size=8", "--config.max_length=64",
+        f"--config.data.cache_dir={tmp_path / 'cache'}", f"--workdir={workdir}",
+        f"--compilation_cache={xla_cache}", glue_dir=glue_dir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "validation accuracy=" in proc.stdout + proc.stderr
+    assert f"compilation cache: {xla_cache}" in proc.stderr
+    results[name] = json.loads((workdir / "eval_results.json").read_text())
+    entries = sorted(p.name for p in xla_cache.iterdir())
+    if name == "run":
+      first_entries = entries
+      assert first_entries, "the first run cached no compiled program"
+      saved = json.loads((workdir / "config.json").read_text())
+      assert saved["config"]["batch_size"] == 8
+      assert saved["meta"]["argv"][1].startswith("--config=configs/glue.py:rte")
+  assert entries == first_entries  # the second run compiled nothing new
+  assert results["run"]["final"]["step"] == 3
+  assert results["again"]["final"] == results["run"]["final"]
 
 
 def test_cli_rejects_an_unknown_config_field(glue_dir, tmp_path):
