@@ -22,6 +22,7 @@ import resource
 import statistics
 import sys
 import time
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -159,8 +160,15 @@ def bert_config(shape: str) -> bert.BertConfig:
   return bert.BertConfig(vocab_size=VOCAB_SIZE, **SHAPES[shape])
 
 
-def run_jax(shape: str, objective: str, batch_np, args, config) -> dict:
-  """Compiles train.make_train_step as train.py does (jit, state donated) and times it."""
+class Prepared(NamedTuple):
+  """One configuration, compiled and warmed up: `step()` runs one training step and waits for
+  it; `describe()` returns its row's framework-specific fields."""
+  step: Callable[[], None]
+  describe: Callable[[], dict]
+
+
+def prepare_jax(shape: str, objective: str, batch_np, args, config) -> Prepared:
+  """Compiles train.make_train_step as train.py does (jit, state donated) and warms it up."""
   model_config = bert_config(shape)
   multi = objective in MULTI_EXIT_OBJECTIVES
   objective, gate = MULTI_EXIT_OBJECTIVES.get(objective, (objective, "per_exit"))
@@ -180,49 +188,44 @@ def run_jax(shape: str, objective: str, batch_np, args, config) -> dict:
   state = train.TrainState(step=jnp.zeros((), jnp.int32), params=params,
                            opt_state=tx.init(params))
   del params
-  step = jax.jit(train.make_train_step(
+  train_step = jax.jit(train.make_train_step(
       model, tx, schedule, data.get_task("rte"), objective=objective, aux_weight=AUX_WEIGHT,
       temperature=TEMPERATURE, exit_weights=weights, gate_granularity=gate,
       gate_chunk=args.gate_chunk), donate_argnums=0)
   # On the device once: the step is timed, not the host-to-device copy of the batch.
   batch = jax.device_put(batch_np)
   rng = jax.random.key(1)
+  live = {"state": state}
+  del state
+
+  def step(sync: bool = True):
+    live["state"], live["metrics"] = train_step(live["state"], batch, rng)
+    if sync:
+      jax.block_until_ready(live["state"])
 
   start = time.perf_counter()
-  state, metrics = step(state, batch, rng)
-  jax.block_until_ready(state)
+  step()
   compile_s = time.perf_counter() - start
   for _ in range(args.warmup):
-    state, metrics = step(state, batch, rng)
-  jax.block_until_ready(state)
+    step(sync=False)
+  jax.block_until_ready(live["state"])
 
-  times = []
-  for _ in range(args.steps):
-    start = time.perf_counter()
-    state, metrics = step(state, batch, rng)
-    jax.block_until_ready(state)
-    times.append(time.perf_counter() - start)
-  # As train.py runs: steps dispatched back to back, one sync at the end.
-  start = time.perf_counter()
-  for _ in range(args.steps):
-    state, metrics = step(state, batch, rng)
-  jax.block_until_ready(state)
-  pipelined_s = (time.perf_counter() - start) / args.steps
+  def describe():
+    device = jax.devices()[0]
+    metrics = live["metrics"]
+    row = {"framework": "jax", "backend": jax.default_backend(),
+           "device_kind": device.device_kind, "compile_s": compile_s,
+           "compilations": train_step._cache_size(), "last_loss": float(metrics["loss"]),
+           "kept": float(np.mean(metrics["kept"])) if "kept" in metrics else None,
+           "exits": train.num_exits(model), "gate_chunk": args.gate_chunk if multi else None}
+    stats = device.memory_stats() if jax.default_backend() != "cpu" else None
+    if stats and "peak_bytes_in_use" in stats:
+      # The allocator's peak since the process started (it cannot be reset), so it is an
+      # upper bound for every configuration after the first.
+      row["peak_device_mib"] = stats["peak_bytes_in_use"] / 2**20
+    return row
 
-  device = jax.devices()[0]
-  row = {"framework": "jax", "backend": jax.default_backend(), "device_kind": device.device_kind,
-         **_timing(times, args.batch_size), "pipelined_step_s": pipelined_s,
-         "compile_s": compile_s, "compilations": step._cache_size(),
-         "last_loss": float(metrics["loss"]),
-         "kept": float(np.mean(metrics["kept"])) if "kept" in metrics else None,
-         "exits": train.num_exits(model), "gate_chunk": args.gate_chunk if multi else None}
-  stats = device.memory_stats() if jax.default_backend() != "cpu" else None
-  if stats and "peak_bytes_in_use" in stats:
-    # The allocator's peak since the process started (it cannot be reset), so it is an upper
-    # bound for every configuration after the first.
-    row["peak_device_mib"] = stats["peak_bytes_in_use"] / 2**20
-  del state, metrics, batch, step
-  return row
+  return Prepared(step, describe)
 
 
 def torch_acl_embed(features, labels, label_embeddings, temperature):
@@ -261,9 +264,9 @@ def check_torch_acl_embed() -> float:
   return abs(ours - theirs)
 
 
-def run_pytorch(shape: str, objective: str, batch_np, args, config) -> dict:
+def prepare_pytorch(shape: str, objective: str, batch_np, args, config) -> Prepared:
   """HF BertForSequenceClassification; `ce`: one backward; `acl`: two autograd.grad calls off
-  one forward, their float32 dot, and the drop gate."""
+  one forward, their float32 dot, and the drop gate. Warmed up."""
   import torch  # pylint: disable=import-outside-toplevel
   import transformers  # pylint: disable=import-outside-toplevel
   from experiments import hf_pytorch_glue  # pylint: disable=import-outside-toplevel
@@ -316,50 +319,52 @@ def run_pytorch(shape: str, objective: str, batch_np, args, config) -> dict:
 
   backward = {"ce": ce_step, "acl": acl_step}[objective]
 
-  def step():
+  def step(sync: bool = True):
     backward()
     torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-
-  def sync():
-    if device.type == "cuda":
+    if sync and device.type == "cuda":
       torch.cuda.synchronize(device)
 
   if device.type == "cuda":
     torch.cuda.reset_peak_memory_stats(device)
   start = time.perf_counter()
   step()
-  sync()
   first_s = time.perf_counter() - start
   for _ in range(args.warmup):
-    step()
-  sync()
+    step(sync=False)
+  step()
+
+  def describe():
+    row = {"framework": "pytorch", "backend": device.type,
+           "device_kind": (torch.cuda.get_device_name(device) if device.type == "cuda"
+                           else _host_cpu()),
+           "compile_s": first_s,  # eager: the first step's one-off costs, no compilation
+           "threads": torch.get_num_threads(),
+           "attn_implementation": model.config._attn_implementation,
+           "kept": float(np.mean(kept)) if kept else None}
+    if device.type == "cuda":
+      row["peak_device_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
+    return row
+
+  return Prepared(step, describe)
+
+
+def measure(prepared: Prepared, steps: int) -> dict:
+  """`steps` timed steps, each synced; then as train.py runs them: back to back, one sync at
+  the end (`pipelined_step_s`)."""
   times = []
-  for _ in range(args.steps):
+  for _ in range(steps):
     start = time.perf_counter()
-    step()
-    sync()
+    prepared.step()
     times.append(time.perf_counter() - start)
   start = time.perf_counter()
-  for _ in range(args.steps):
-    step()
-  sync()
-  pipelined_s = (time.perf_counter() - start) / args.steps
-
-  row = {"framework": "pytorch", "backend": device.type,
-         "device_kind": (torch.cuda.get_device_name(device) if device.type == "cuda"
-                         else _host_cpu()),
-         **_timing(times, args.batch_size), "pipelined_step_s": pipelined_s,
-         "compile_s": first_s,  # eager: the first step's one-off costs, no compilation
-         "threads": torch.get_num_threads(),
-         "attn_implementation": model.config._attn_implementation,
-         "kept": float(np.mean(kept)) if kept else None}
-  if device.type == "cuda":
-    row["peak_device_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
-  del model, optimizer, scheduler, params, batch
-  return row
+  for _ in range(steps - 1):
+    prepared.step(sync=False)
+  prepared.step()
+  return {"step_times_s": times, "pipelined_step_s": (time.perf_counter() - start) / steps}
 
 
 def schedule(shapes, objectives, frameworks) -> list[tuple[str, str, str]]:
@@ -418,6 +423,10 @@ def parse_args(argv=None):
   p.add_argument("--quick", action="store_true",
                  help="smoke test: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()) +
                  "; flags given explicitly still win")
+  p.add_argument("--interleave", action="store_true",
+                 help="compile every configuration first, then time one step of each in turn "
+                 "(ratios robust to a machine whose speed drifts; all states stay in memory, "
+                 "so peak memory is the process's, not per configuration)")
   p.add_argument("--out", default=None, help="JSON-lines file to append every line to")
   args = p.parse_args(argv)
   for key, value in (QUICK if args.quick else DEFAULTS).items():
@@ -477,23 +486,51 @@ def main(argv=None) -> list[dict]:
       out.flush()
 
   rows = []
-  runners = {"jax": run_jax, "pytorch": run_pytorch}
-  for shape, objective, framework in schedule(args.shapes, args.objectives, args.frameworks):
+  prepare = {"jax": prepare_jax, "pytorch": prepare_pytorch}
+
+  def row_of(shape, objective, framework, prepared, times, extra):
+    return {"kind": "step", "framework": framework, "shape": shape, "objective": objective,
+            **SHAPES[shape], "vocab_size": VOCAB_SIZE, **common, **prepared.describe(),
+            **_timing(times, args.batch_size), **extra,
+            "versions": versions[framework], "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+  runs = schedule(args.shapes, args.objectives, args.frameworks)
+  if args.interleave:
+    # Every configuration compiled and warmed up first, then one timed step of each in turn:
+    # a machine that speeds up or slows down shifts them all alike, so their ratios hold.
+    load_before = os.getloadavg()[0]
+    prepared = [prepare[fw](shape, objective, batch_np, args, config)
+                for shape, objective, fw in runs]
+    times = [[] for _ in runs]
+    for _ in range(args.steps):
+      for i, p in enumerate(prepared):
+        start = time.perf_counter()
+        p.step()
+        times[i].append(time.perf_counter() - start)
+    for (shape, objective, fw), p, t in zip(runs, prepared, times):
+      row = row_of(shape, objective, fw, p, t, {
+          "interleaved": True, "peak_rss_mib": _peak_rss_mib(),
+          "peak_rss_is_per_config": False, "load_avg_1m_before": load_before})
+      rows.append(row)
+      emit(row)
+    del prepared
+  for shape, objective, framework in ([] if args.interleave else runs):
     # Whatever the last configuration left behind goes first, so it is neither timed nor
     # counted in this one's peak memory.
     gc.collect()
     load_before = os.getloadavg()[0]
     rss_before = _rss_mib()
     reset = _reset_peak_rss()
-    measured = runners[framework](shape, objective, batch_np, args, config)
-    row = {"kind": "step", "framework": framework, "shape": shape, "objective": objective,
-           **SHAPES[shape], "vocab_size": VOCAB_SIZE, **common, **measured,
-           "peak_rss_mib": _peak_rss_mib(), "rss_before_mib": rss_before,
-           # False: the kernel kept the process-wide peak, an upper bound for this config.
-           "peak_rss_is_per_config": reset,
-           # Anything else on the CPU skews the comparison (see the README).
-           "load_avg_1m_before": load_before,
-           "versions": versions[framework], "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    p = prepare[framework](shape, objective, batch_np, args, config)
+    timing = measure(p, args.steps)
+    row = row_of(shape, objective, framework, p, timing.pop("step_times_s"), {
+        **timing, "interleaved": False, "peak_rss_mib": _peak_rss_mib(),
+        "rss_before_mib": rss_before,
+        # False: the kernel kept the process-wide peak, an upper bound for this config.
+        "peak_rss_is_per_config": reset,
+        # Anything else on the CPU skews the comparison (see the README).
+        "load_avg_1m_before": load_before})
+    del p
     rows.append(row)
     emit(row)
   gc.collect()
