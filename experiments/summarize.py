@@ -1,8 +1,11 @@
 """Summarizes finished run directories into a results table (mean and std over seeds).
 
     python experiments/summarize.py runs/ce_minilm/* --out experiments/results/ce_minilm
+    python experiments/summarize.py experiments/results/ce_minilm.jsonl runs/acl_minilm/* \
+        --tasks rte,mrpc,cola --out experiments/results/acl_minilm
 
-Reads each run's config.json and eval_results.json, groups runs that differ only in the seed,
+Reads each run's config.json and eval_results.json (or the runs of an earlier summary's
+.jsonl), groups runs that differ only in the seed,
 and writes <out>.jsonl (one line per run, with its command and commit) and <out>.md (the
 table). Final-step dev metrics are reported, never the best seed or the best step.
 """
@@ -73,9 +76,17 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("workdirs", nargs="+", type=pathlib.Path)
   parser.add_argument("--out", type=pathlib.Path, required=True)
+  parser.add_argument("--tasks", default=None, help="comma-separated: keep only these tasks")
   args = parser.parse_args()
 
-  runs = [r for r in map(load_run, args.workdirs) if r is not None]
+  runs = []
+  for path in args.workdirs:
+    if path.suffix == ".jsonl":  # an earlier summary's runs, e.g. whose directories are gone
+      runs += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    elif (run := load_run(path)) is not None:
+      runs.append(run)
+  if args.tasks:
+    runs = [r for r in runs if r["task"] in args.tasks.split(",")]
   if not runs:
     raise SystemExit("No finished runs (eval_results.json) among the given directories.")
   args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -86,7 +97,7 @@ def main():
   groups = collections.defaultdict(list)
   for run in runs:
     objective = run["objective"]
-    if run["multi_exit"]:
+    if run.get("multi_exit"):
       objective = f"multi-exit {objective}" + (f" ({run['gate']} gate)"
                                                if objective in GATED else "")
     groups[(run["task"], run["model"], objective, run["lr"], run["epochs"],
@@ -97,7 +108,7 @@ def main():
   per_exit_lines = []
   for (task, model, objective, lr, epochs, _), group in sorted(groups.items()):
     names = sorted(group[0]["metrics"])
-    if group[0]["multi_exit"]:
+    if group[0].get("multi_exit"):
       per_exit_lines.append(per_exit_row(task, objective, group))
       # The main table keeps the average over exits and the last exit.
       last = max(n.split("/")[1] for n in names if "/exit" in n)
