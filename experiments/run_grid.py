@@ -8,6 +8,7 @@ seed=<s> --workdir=<root>/<task>_<objective>_s<seed>`, a separate process, so a 
 kill loses at most the run in flight; rerunning the same command continues the grid (a run
 counts as finished when its eval_results.json exists). An unfinished run resumes from its last
 checkpoint (its log gets the new output appended). Long grids may span several sessions.
+`--parallel N` runs N at once, each pinned to its own share of the cores.
 Summarize with experiments/summarize.py.
 """
 
@@ -16,6 +17,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import threading
 import time
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -30,6 +32,10 @@ def main():
   parser.add_argument("--preset", default="model=minilm",
                       help="extra comma-separated presets, e.g. model=minilm,epochs=1")
   parser.add_argument("--dry_run", action="store_true", help="print the commands only")
+  parser.add_argument("--parallel", type=int, default=1,
+                      help="runs at once, each pinned to its share of the cores with XLA's "
+                      "threads to match (2 on a 2-core CPU: about 1.2x the throughput of one "
+                      "run on both cores, and compiles overlap)")
   args = parser.parse_args()
 
   args.root.mkdir(parents=True, exist_ok=True)
@@ -45,17 +51,59 @@ def main():
         if not (workdir / "eval_results.json").exists():
           todo.append((workdir, command))
   print(f"{len(todo)} runs to do under {args.root}", flush=True)
-  for i, (workdir, command) in enumerate(todo, 1):
-    print(f"[{i}/{len(todo)}] {' '.join(command[1:])}", flush=True)
-    if args.dry_run:
-      continue
-    workdir.mkdir(parents=True, exist_ok=True)  # an unfinished run resumes from its checkpoint
-    start = time.time()
-    with open(workdir / "log.txt", "a") as log:
-      proc = subprocess.run(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            env=dict(os.environ))
-    status = "ok" if proc.returncode == 0 else f"FAILED (exit {proc.returncode})"
-    print(f"    {status} in {time.time() - start:.0f} s; log: {workdir / 'log.txt'}", flush=True)
+  if args.dry_run:
+    for i, (_, command) in enumerate(todo, 1):
+      print(f"[{i}/{len(todo)}] {' '.join(command[1:])}", flush=True)
+    return
+  slots = core_groups(args.parallel)
+  queue = list(enumerate(todo, 1))
+  lock = threading.Lock()
+
+  def worker(cores):
+    while True:
+      with lock:
+        if not queue:
+          return
+        i, (workdir, command) = queue.pop(0)
+        print(f"[{i}/{len(todo)}] {' '.join(command[1:])}"
+              + (f" (cores {sorted(cores)})" if cores else ""), flush=True)
+      workdir.mkdir(parents=True, exist_ok=True)  # an unfinished run resumes from its checkpoint
+      env = dict(os.environ)
+      if cores:
+        env["XLA_FLAGS"] = " ".join(
+            filter(None, [env.get("XLA_FLAGS"), xla_thread_flags(len(cores))]))
+      start = time.time()
+      with open(workdir / "log.txt", "a") as log:
+        proc = subprocess.run(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+                              env=env, preexec_fn=(lambda: os.sched_setaffinity(0, cores))
+                              if cores else None)
+      status = "ok" if proc.returncode == 0 else f"FAILED (exit {proc.returncode})"
+      with lock:
+        print(f"    [{i}] {status} in {time.time() - start:.0f} s; log: {workdir / 'log.txt'}",
+              flush=True)
+
+  threads = [threading.Thread(target=worker, args=(cores,)) for cores in slots]
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join()
+
+
+def core_groups(parallel: int) -> list[set[int] | None]:
+  """One CPU set per concurrent run: the usable cores split evenly (None: one run, unpinned)."""
+  if parallel <= 1:
+    return [None]
+  cores = sorted(os.sched_getaffinity(0))
+  if parallel > len(cores):
+    raise SystemExit(f"--parallel {parallel} exceeds the {len(cores)} usable cores")
+  return [set(cores[i::parallel]) for i in range(parallel)]
+
+
+def xla_thread_flags(num_cores: int) -> str:
+  """XLA:CPU sizes its thread pool to the machine, not to the affinity mask; a pinned run gets
+  as many intra-op threads as it has cores (one core: no Eigen thread pool at all)."""
+  flags = f"--xla_cpu_multi_thread_eigen={'true' if num_cores > 1 else 'false'}"
+  return f"{flags} intra_op_parallelism_threads={num_cores}"
 
 
 if __name__ == "__main__":

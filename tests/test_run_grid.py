@@ -1,0 +1,41 @@
+"""experiments/run_grid.py: a grid of real (tiny) runs, two at a time, each pinned to its cores."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO_ROOT
+
+sys.path.insert(0, str(REPO_ROOT / "experiments"))
+import run_grid  # noqa: E402  (experiments/ is not a package)
+
+
+def test_core_groups_split_the_usable_cores():
+  cores = sorted(os.sched_getaffinity(0))
+  assert run_grid.core_groups(1) == [None]
+  groups = run_grid.core_groups(len(cores))
+  assert sorted(c for g in groups for c in g) == cores and all(len(g) == 1 for g in groups)
+  with pytest.raises(SystemExit, match="exceeds"):
+    run_grid.core_groups(len(cores) + 1)
+  assert "multi_thread_eigen=false intra_op_parallelism_threads=1" in run_grid.xla_thread_flags(1)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two usable cores")
+def test_two_runs_at_once_finish_and_a_rerun_skips_them(tiny_bert_dir, glue_dir, tmp_path):
+  command = [sys.executable, "experiments/run_grid.py", "--root", str(tmp_path / "grid"),
+             "--tasks", "rte", "--objectives", "ce", "--seeds", "0,1", "--parallel", "2",
+             "--preset", f"model={tiny_bert_dir},max_steps=2,batch_size=8,max_length=32"]
+  env = {**os.environ, "GLUE_DIR": str(glue_dir), "ACL_JAX_CACHE": str(tmp_path / "cache"),
+         "HF_HUB_OFFLINE": "1"}
+  proc = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                        timeout=600)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert proc.stdout.count("ok in") == 2, proc.stdout
+  assert "(cores [" in proc.stdout
+  for seed in (0, 1):
+    assert (tmp_path / "grid" / f"rte_ce_s{seed}" / "eval_results.json").exists()
+  again = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+  assert "0 runs to do" in again.stdout
