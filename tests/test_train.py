@@ -121,8 +121,18 @@ def test_eval_counts_every_dev_example_once(tiny_bert_dir, glue_dir, tmp_path):
 
   task = data.get_task("rte")
   tokenizer = checkpoints.load_tokenizer(tiny_bert_dir)
-  dev = data.load_encoded(task, "validation", tokenizer, max_length=64, glue_dir=glue_dir,
-                          cache_dir=tmp_path / "cache")
+  full_dev = data.load_encoded(task, "validation", tokenizer, max_length=64, glue_dir=glue_dir,
+                               cache_dir=tmp_path / "cache")
+  # The examples of every fourth distinct length: both buckets, padded and unpadded rows, and
+  # a quarter of the per-length compiles the unpadded reference below needs.
+  rows = np.flatnonzero(np.isin(full_dev.lengths, np.unique(full_dev.lengths)[::4]))
+  examples = [full_dev.example(i) for i in rows]
+  dev = data.Encoded(
+      input_ids=np.concatenate([ids for ids, _ in examples]),
+      token_type_ids=np.concatenate([types for _, types in examples]),
+      offsets=np.concatenate([[0], np.cumsum(full_dev.lengths[rows])]).astype(np.int64),
+      lengths=full_dev.lengths[rows], labels=full_dev.labels[rows], pad_id=full_dev.pad_id)
+  assert len(dev) > 40 and dev.lengths.min() < 32 < dev.lengths.max()
   bert_config = checkpoints.load_config(tiny_bert_dir)
   model = bert.BertForSequenceClassification(config=bert_config, num_labels=2)
   params = model.init(jax.random.key(1), *(jnp.zeros((1, 8), jnp.int32),) * 3)["params"]
