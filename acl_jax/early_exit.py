@@ -193,12 +193,19 @@ class _Stages:
     self.full = jax.jit(lambda ids, mask, types: model.apply(
         variables, ids, mask, types)["logits"][-1])
     self._steps = {}
+    self._settings = {}
     self._full_prediction = jax.jit(lambda *inputs: prediction(self.full(*inputs),
                                                                self.regression))
 
   def full_model(self, input_ids, attention_mask, token_type_ids) -> np.ndarray:
     """The full model's prediction (every layer, last exit): the latency baseline."""
     return np.asarray(self._full_prediction(input_ids, attention_mask, token_type_ids))
+
+  def settings_of(self, policy: Policy) -> dict[str, jax.Array]:
+    """policy.settings() as device scalars made once per policy, not per example."""
+    if policy not in self._settings:
+      self._settings[policy] = policy.settings()
+    return self._settings[policy]
 
   def policy_step(self, policy: Policy) -> Callable:
     """policy_step compiled once per policy name; the threshold is an argument."""
@@ -220,7 +227,6 @@ class EarlyExitRunner(_Stages):
   def __init__(self, model: multi_exit.MultiExitBert, params):
     super().__init__(model, params)
     self._fused = {}
-    self._settings = {}
     self._init = init_state(1)
 
   def layer_and_exit(self, policy: Policy) -> Callable:
@@ -241,9 +247,7 @@ class EarlyExitRunner(_Stages):
   def __call__(self, policy: Policy, input_ids, attention_mask, token_type_ids
                ) -> tuple[np.ndarray, int]:
     """(prediction [1], exit layer) for one example given as [1, T] arrays."""
-    if policy not in self._settings:  # device scalars made once, not per example
-      self._settings[policy] = policy.settings()
-    settings, step = self._settings[policy], self.layer_and_exit(policy)
+    settings, step = self.settings_of(policy), self.layer_and_exit(policy)
     hidden, bias = self.embed(input_ids, attention_mask, token_type_ids)
     state = self._init
     last_exit = self.exit_layers[-1]
@@ -276,7 +280,6 @@ class CompiledEarlyExit(_Stages):
   def __init__(self, model: multi_exit.MultiExitBert, params):
     super().__init__(model, params)
     self._programs = {}
-    self._settings = {}
 
   def program(self, name: str) -> Callable:
     """(settings, ids, mask, types) -> (prediction [], exit layer []), compiled once per
@@ -313,10 +316,8 @@ class CompiledEarlyExit(_Stages):
   def __call__(self, policy: Policy, input_ids, attention_mask, token_type_ids
                ) -> tuple[np.ndarray, int]:
     """(prediction [1], exit layer) for one example given as [1, T] arrays."""
-    if policy not in self._settings:  # device scalars made once, not per example
-      self._settings[policy] = policy.settings()
-    pred, layer = self.program(policy.name)(self._settings[policy], input_ids, attention_mask,
-                                            token_type_ids)
+    pred, layer = self.program(policy.name)(self.settings_of(policy), input_ids,
+                                            attention_mask, token_type_ids)
     pred = np.asarray(pred)[None]
     return (pred if self.regression else pred.astype(np.int64)), int(layer)
 
