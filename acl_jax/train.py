@@ -139,7 +139,8 @@ def make_train_step(model, tx, schedule, task: data.TaskSpec, *, objective: str 
                     aux_weight: float = 0.5, temperature: float = 0.3, anchors: str = "all",
                     measure_conflict: bool = False, exit_weights=None,
                     gate_granularity: str = "per_exit", cl_weight: float = 0.5,
-                    teacher: str = "last", kd_temperature: float = 2.0, gate_chunk: int = 1):
+                    teacher: str = "last", kd_temperature: float = 2.0, gate_chunk: int = 1,
+                    frozen: Callable[[tuple[str, ...]], bool] | None = None):
   """Returns the pure step (state, batch, rng) -> (state, metrics), to be jitted once.
 
   The loss is a vector: for every exit e, w_e * CE_e and w_e * aux_e (aux_e already carries
@@ -153,6 +154,10 @@ def make_train_step(model, tx, schedule, task: data.TaskSpec, *, objective: str 
       exits there are.
   Without a gate the summed loss has one ordinary backward pass.
   exit_weights: [E] weights (multi_exit.exit_weights); None = 1 for the single exit.
+  frozen: the parameters `tx` leaves untouched (create_optimizer's partition); the logged
+  grad_norm covers the others only, the norm that clipping sees, so nothing reads the frozen
+  parameters' gradients and XLA drops their backward pass (DeeBERT's second stage then costs
+  a forward pass and the exit heads' backward, not a full backward through the backbone).
   """
   spec = OBJECTIVES[objective]
   two_gradients = spec.aux is not None and (spec.gate != "none" or measure_conflict)
@@ -248,7 +253,9 @@ def make_train_step(model, tx, schedule, task: data.TaskSpec, *, objective: str 
     params = optax.apply_updates(state.params, updates)
     if n_exits == 1:  # one exit logs scalars, as a single-exit model should
       terms = jax.tree.map(lambda v: v.reshape(()) if v.size == 1 else v, terms)
-    step_metrics = {"loss": loss, **terms, "grad_norm": optax.tree.norm(grads),
+    trained = [g for path, g in jax.tree_util.tree_leaves_with_path(grads)
+               if frozen is None or not frozen(_path_names(path))]
+    step_metrics = {"loss": loss, **terms, "grad_norm": optax.tree.norm(trained),
                     "lr": schedule(state.step)}
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), step_metrics
 
@@ -707,7 +714,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         temperature=config.temperature, anchors=config.anchors,
         measure_conflict=config.measure_conflict, exit_weights=stage.exit_weights,
         gate_granularity=config.gate, cl_weight=config.cl_weight, teacher=config.teacher,
-        kd_temperature=config.kd_temperature, gate_chunk=config.gate_chunk),
+        kd_temperature=config.kd_temperature, gate_chunk=config.gate_chunk,
+        frozen=stage.frozen),
         in_shardings=(state_sharding, parallel.batch_sharding(mesh), replicated),
         out_shardings=(state_sharding, replicated), donate_argnums=0)
     stage_rng = parallel.put(jax.random.fold_in(dropout_rng, stage_index), replicated)

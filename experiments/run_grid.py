@@ -100,10 +100,9 @@ def core_groups(parallel: int) -> list[set[int] | None]:
 
 
 def xla_thread_flags(num_cores: int) -> str:
-  """XLA:CPU sizes its thread pool to the machine, not to the affinity mask; a pinned run gets
-  as many intra-op threads as it has cores (one core: no Eigen thread pool at all)."""
-  flags = f"--xla_cpu_multi_thread_eigen={'true' if num_cores > 1 else 'false'}"
-  return f"{flags} intra_op_parallelism_threads={num_cores}"
+  """XLA:CPU sizes its thread pool to the machine, not to the affinity mask: a run pinned to
+  one core gets no Eigen thread pool at all, so its threads do not fight over that core."""
+  return f"--xla_cpu_multi_thread_eigen={'true' if num_cores > 1 else 'false'}"
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ def test_core_groups_split_the_usable_cores():
   assert sorted(c for g in groups for c in g) == cores and all(len(g) == 1 for g in groups)
   with pytest.raises(SystemExit, match="exceeds"):
     run_grid.core_groups(len(cores) + 1)
-  assert "multi_thread_eigen=false intra_op_parallelism_threads=1" in run_grid.xla_thread_flags(1)
+  assert run_grid.xla_thread_flags(1) == "--xla_cpu_multi_thread_eigen=false"
+  assert run_grid.xla_thread_flags(2) == "--xla_cpu_multi_thread_eigen=true"
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two usable cores")
