@@ -7,14 +7,18 @@ Each run is `python -m acl_jax.main --config=configs/glue.py:<task>,<preset>,obj
 seed=<s> --workdir=<root>/<task>_<objective>_s<seed>`, a separate process, so a crash or a
 kill loses at most the run in flight; rerunning the same command continues the grid (a run
 counts as finished when its eval_results.json exists). An unfinished run resumes from its last
-checkpoint (its log gets the new output appended). Long grids may span several sessions.
-`--parallel N` runs N at once, each pinned to its own share of the cores.
+checkpoint (its log gets the new output appended). Long grids may span several sessions:
+with `--records DIR` every run that finishes is also copied to DIR/<name>/ (its config.json,
+eval_results.json, metrics.jsonl, log.txt and early_exit.json; no checkpoints), and a run with
+a record there counts as finished, so a grid continues on a machine whose run directories are
+gone. `--parallel N` runs N at once, each pinned to its own share of the cores.
 Summarize with experiments/summarize.py.
 """
 
 import argparse
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import threading
@@ -31,6 +35,9 @@ def main():
   parser.add_argument("--seeds", default="0,1,2")
   parser.add_argument("--preset", default="model=minilm",
                       help="extra comma-separated presets, e.g. model=minilm,epochs=1")
+  parser.add_argument("--records", type=pathlib.Path, default=None,
+                      help="run records kept as evidence (e.g. experiments/results/records/"
+                      "acl_minilm): finished runs are copied there, and runs found there skipped")
   parser.add_argument("--dry_run", action="store_true", help="print the commands only")
   parser.add_argument("--parallel", type=int, default=1,
                       help="runs at once, each pinned to its share of the cores with XLA's "
@@ -48,7 +55,7 @@ def main():
                                         f"seed={seed}"]))
         command = [sys.executable, "-m", "acl_jax.main", f"--config=configs/glue.py:{preset}",
                    f"--workdir={workdir}"]
-        if not (workdir / "eval_results.json").exists():
+        if not finished(workdir, args.records):
           todo.append((workdir, command))
   print(f"{len(todo)} runs to do under {args.root}", flush=True)
   if args.dry_run:
@@ -78,15 +85,37 @@ def main():
                               env=env, preexec_fn=(lambda: os.sched_setaffinity(0, cores))
                               if cores else None)
       status = "ok" if proc.returncode == 0 else f"FAILED (exit {proc.returncode})"
+      kept = (f"; record: {keep_record(workdir, args.records)}"
+              if proc.returncode == 0 and args.records else "")
       with lock:
-        print(f"    [{i}] {status} in {time.time() - start:.0f} s; log: {workdir / 'log.txt'}",
-              flush=True)
+        print(f"    [{i}] {status} in {time.time() - start:.0f} s; log: {workdir / 'log.txt'}"
+              + kept, flush=True)
 
   threads = [threading.Thread(target=worker, args=(cores,)) for cores in slots]
   for thread in threads:
     thread.start()
   for thread in threads:
     thread.join()
+
+
+RECORD_FILES = ("config.json", "eval_results.json", "metrics.jsonl", "log.txt",
+                "early_exit.json")
+
+
+def finished(workdir: pathlib.Path, records: pathlib.Path | None) -> bool:
+  """A run is done when its eval_results.json exists, in its workdir or in its record."""
+  return any((d / "eval_results.json").exists()
+             for d in (workdir, records and records / workdir.name) if d)
+
+
+def keep_record(workdir: pathlib.Path, records: pathlib.Path) -> pathlib.Path:
+  """Copies a finished run's small files (never its checkpoints) to records/<name>/."""
+  record = records / workdir.name
+  record.mkdir(parents=True, exist_ok=True)
+  for name in RECORD_FILES:
+    if (workdir / name).exists():
+      shutil.copy2(workdir / name, record / name)
+  return record
 
 
 def core_groups(parallel: int) -> list[set[int] | None]:

@@ -25,7 +25,9 @@ def test_core_groups_split_the_usable_cores():
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two usable cores")
 def test_two_runs_at_once_finish_and_a_rerun_skips_them(tiny_bert_dir, glue_dir, tmp_path):
+  records = tmp_path / "records"
   command = [sys.executable, "experiments/run_grid.py", "--root", str(tmp_path / "grid"),
+             "--records", str(records),
              "--tasks", "rte", "--objectives", "ce", "--seeds", "0,1", "--parallel", "2",
              "--preset", f"model={tiny_bert_dir},max_steps=2,batch_size=8,max_length=32"]
   env = {**os.environ, "GLUE_DIR": str(glue_dir), "ACL_JAX_CACHE": str(tmp_path / "cache"),
@@ -40,3 +42,11 @@ def test_two_runs_at_once_finish_and_a_rerun_skips_them(tiny_bert_dir, glue_dir,
   again = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                          timeout=600)
   assert "0 runs to do" in again.stdout
+  for seed in (0, 1):  # the small files are kept as the run's record; checkpoints are not
+    kept = sorted(p.name for p in (records / f"rte_ce_s{seed}").iterdir())
+    assert kept == ["config.json", "eval_results.json", "log.txt", "metrics.jsonl"], kept
+  # On a machine whose run directories are gone, the records alone finish the grid.
+  fresh = [arg if arg != str(tmp_path / "grid") else str(tmp_path / "fresh") for arg in command]
+  elsewhere = subprocess.run(fresh + ["--dry_run"], cwd=REPO_ROOT, env=env,
+                             capture_output=True, text=True, timeout=600)
+  assert "0 runs to do" in elsewhere.stdout, elsewhere.stdout + elsewhere.stderr
