@@ -28,6 +28,11 @@ def test_benchmark_rows_and_ratios(interleave, tmp_path):
     assert len(row["step_times_s"]) == 3 and min(row["step_times_s"]) > 0
     assert row["median_step_s"] == sorted(row["step_times_s"])[1]
     assert ("pipelined_step_s" in row) is not interleave
+    if row["framework"] == "jax":  # the state it takes holds at least the word embeddings
+      assert row["xla_peak_mib"] == pytest.approx(  # and their two Adam moments, in float32
+          row["xla_argument_mib"] + row["xla_output_mib"] + row["xla_temp_mib"])
+      assert row["xla_argument_mib"] > 3 * 4 * row["vocab_size"] * row["hidden_size"] / 2**20
+      assert row["xla_temp_mib"] > 0
   lines = [json.loads(line) for line in out.read_text().splitlines()]
   ratios = {r["name"]: r for r in lines if r["kind"] == "ratio"}
   assert len(lines) == len(rows) + len(ratios)
