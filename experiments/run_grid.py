@@ -104,8 +104,8 @@ RECORD_FILES = ("config.json", "eval_results.json", "metrics.jsonl", "log.txt",
 
 def finished(workdir: pathlib.Path, records: pathlib.Path | None) -> bool:
   """A run is done when its eval_results.json exists, in its workdir or in its record."""
-  return any((d / "eval_results.json").exists()
-             for d in (workdir, records and records / workdir.name) if d)
+  places = [workdir] + ([records / workdir.name] if records else [])
+  return any((d / "eval_results.json").exists() for d in places)
 
 
 def keep_record(workdir: pathlib.Path, records: pathlib.Path) -> pathlib.Path:
