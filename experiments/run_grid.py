@@ -11,7 +11,10 @@ checkpoint (its log gets the new output appended). Long grids may span several s
 with `--records DIR` every run that finishes is also copied to DIR/<name>/ (its config.json,
 eval_results.json, metrics.jsonl, log.txt and early_exit.json; no checkpoints), and a run with
 a record there counts as finished, so a grid continues on a machine whose run directories are
-gone. `--parallel N` runs N at once, each pinned to its own share of the cores.
+gone. `--parallel N` runs N at once, each pinned to its own share of the cores. With
+`--early_exit` (multi-exit grids) each run that trains is then swept by `--mode=early_exit` on
+the same cores while its checkpoints are still there, and its early_exit.json and .png join its
+record.
 Summarize with experiments/summarize.py.
 """
 
@@ -38,6 +41,12 @@ def main():
   parser.add_argument("--records", type=pathlib.Path, default=None,
                       help="run records kept as evidence (e.g. experiments/results/records/"
                       "acl_minilm): finished runs are copied there, and runs found there skipped")
+  parser.add_argument("--early_exit", action="store_true",
+                      help="multi-exit grids: after a run trains, sweep its exit policies "
+                      "(--mode=early_exit, which needs the run's checkpoints) before keeping its "
+                      "record; a trained run whose early_exit.json is missing gets the sweep only")
+  parser.add_argument("--early_exit_examples", type=int, default=None,
+                      help="dev examples timed at batch size 1 by each sweep (default: all)")
   parser.add_argument("--dry_run", action="store_true", help="print the commands only")
   parser.add_argument("--parallel", type=int, default=1,
                       help="runs at once, each pinned to its share of the cores with XLA's "
@@ -53,14 +62,22 @@ def main():
         workdir = (args.root / f"{task}_{objective}_s{seed}").resolve()
         preset = ",".join(filter(None, [task, args.preset, f"objective={objective}",
                                         f"seed={seed}"]))
-        command = [sys.executable, "-m", "acl_jax.main", f"--config=configs/glue.py:{preset}",
-                   f"--workdir={workdir}"]
-        if not finished(workdir, args.records):
-          todo.append((workdir, command))
+        commands = []
+        if not has_output(workdir, args.records, "eval_results.json"):
+          commands.append([sys.executable, "-m", "acl_jax.main",
+                           f"--config=configs/glue.py:{preset}", f"--workdir={workdir}"])
+        if args.early_exit and not has_output(workdir, args.records, "early_exit.json"):
+          if commands or (workdir / "checkpoints").is_dir():
+            commands.append(sweep_command(workdir, args.early_exit_examples))
+          else:
+            print(f"cannot sweep {workdir.name}: trained elsewhere and its checkpoints are not "
+                  f"under {workdir}", flush=True)
+        if commands:
+          todo.append((workdir, commands))
   print(f"{len(todo)} runs to do under {args.root}", flush=True)
   if args.dry_run:
-    for i, (_, command) in enumerate(todo, 1):
-      print(f"[{i}/{len(todo)}] {' '.join(command[1:])}", flush=True)
+    for i, (_, commands) in enumerate(todo, 1):
+      print(f"[{i}/{len(todo)}] " + " && ".join(" ".join(c[1:]) for c in commands), flush=True)
     return
   slots = core_groups(args.parallel)
   queue = list(enumerate(todo, 1))
@@ -71,8 +88,8 @@ def main():
       with lock:
         if not queue:
           return
-        i, (workdir, command) = queue.pop(0)
-        print(f"[{i}/{len(todo)}] {' '.join(command[1:])}"
+        i, (workdir, commands) = queue.pop(0)
+        print(f"[{i}/{len(todo)}] " + " && ".join(" ".join(c[1:]) for c in commands)
               + (f" (cores {sorted(cores)})" if cores else ""), flush=True)
       workdir.mkdir(parents=True, exist_ok=True)  # an unfinished run resumes from its checkpoint
       env = dict(os.environ)
@@ -80,13 +97,17 @@ def main():
         env["XLA_FLAGS"] = " ".join(
             filter(None, [env.get("XLA_FLAGS"), xla_thread_flags(len(cores))]))
       start = time.time()
+      returncode = 0
       with open(workdir / "log.txt", "a") as log:
-        proc = subprocess.run(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
-                              env=env, preexec_fn=(lambda: os.sched_setaffinity(0, cores))
-                              if cores else None)
-      status = "ok" if proc.returncode == 0 else f"FAILED (exit {proc.returncode})"
+        for command in commands:  # train, then sweep; a failed step stops the rest
+          returncode = subprocess.run(
+              command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
+              preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None).returncode
+          if returncode:
+            break
+      status = "ok" if returncode == 0 else f"FAILED (exit {returncode})"
       kept = (f"; record: {keep_record(workdir, args.records)}"
-              if proc.returncode == 0 and args.records else "")
+              if returncode == 0 and args.records else "")
       with lock:
         print(f"    [{i}] {status} in {time.time() - start:.0f} s; log: {workdir / 'log.txt'}"
               + kept, flush=True)
@@ -99,13 +120,19 @@ def main():
 
 
 RECORD_FILES = ("config.json", "eval_results.json", "metrics.jsonl", "log.txt",
-                "early_exit.json")
+                "early_exit.json", "early_exit.png")
 
 
-def finished(workdir: pathlib.Path, records: pathlib.Path | None) -> bool:
-  """A run is done when its eval_results.json exists, in its workdir or in its record."""
+def has_output(workdir: pathlib.Path, records: pathlib.Path | None, name: str) -> bool:
+  """Whether a run wrote `name` (eval_results.json: trained; early_exit.json: swept), in its
+  workdir or in its record."""
   places = [workdir] + ([records / workdir.name] if records else [])
-  return any((d / "eval_results.json").exists() for d in places)
+  return any((d / name).exists() for d in places)
+
+
+def sweep_command(workdir: pathlib.Path, max_examples: int | None) -> list[str]:
+  return [sys.executable, "-m", "acl_jax.main", "--mode=early_exit", f"--workdir={workdir}"] + (
+      [f"--max_examples={max_examples}"] if max_examples else [])
 
 
 def keep_record(workdir: pathlib.Path, records: pathlib.Path) -> pathlib.Path:
