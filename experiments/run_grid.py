@@ -9,7 +9,7 @@ kill loses at most the run in flight; rerunning the same command continues the g
 counts as finished when its eval_results.json exists). An unfinished run resumes from its last
 checkpoint (its log gets the new output appended). Long grids may span several sessions:
 with `--records DIR` every run that finishes is also copied to DIR/<name>/ (its config.json,
-eval_results.json, metrics.jsonl, log.txt and early_exit.json; no checkpoints), and a run with
+eval_results.json, metrics.jsonl, log.txt, early_exit.json/.png; no checkpoints), and a run with
 a record there counts as finished, so a grid continues on a machine whose run directories are
 gone. `--parallel N` runs N at once, each pinned to its own share of the cores. With
 `--early_exit` (multi-exit grids) each run that trains is then swept by `--mode=early_exit` on
