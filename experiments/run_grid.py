@@ -77,7 +77,7 @@ def main():
   print(f"{len(todo)} runs to do under {args.root}", flush=True)
   if args.dry_run:
     for i, (_, commands) in enumerate(todo, 1):
-      print(f"[{i}/{len(todo)}] " + " && ".join(" ".join(c[1:]) for c in commands), flush=True)
+      print(f"[{i}/{len(todo)}] {describe(commands)}", flush=True)
     return
   slots = core_groups(args.parallel)
   queue = list(enumerate(todo, 1))
@@ -89,7 +89,7 @@ def main():
         if not queue:
           return
         i, (workdir, commands) = queue.pop(0)
-        print(f"[{i}/{len(todo)}] " + " && ".join(" ".join(c[1:]) for c in commands)
+        print(f"[{i}/{len(todo)}] {describe(commands)}"
               + (f" (cores {sorted(cores)})" if cores else ""), flush=True)
       workdir.mkdir(parents=True, exist_ok=True)  # an unfinished run resumes from its checkpoint
       env = dict(os.environ)
@@ -128,6 +128,11 @@ def has_output(workdir: pathlib.Path, records: pathlib.Path | None, name: str) -
   workdir or in its record."""
   places = [workdir] + ([records / workdir.name] if records else [])
   return any((d / name).exists() for d in places)
+
+
+def describe(commands: list[list[str]]) -> str:
+  """A run's steps as one line, without the interpreter's path."""
+  return " && ".join(" ".join(command[1:]) for command in commands)
 
 
 def sweep_command(workdir: pathlib.Path, max_examples: int | None) -> list[str]:
