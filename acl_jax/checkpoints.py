@@ -281,8 +281,15 @@ def export_hf(run, out_dir: PathLike | None = None) -> pathlib.Path:
       `exit_<e>.pooler.dense.{weight,bias}`; exit e reads encoder layer e's output
       (hidden_states[e] in HF's output_hidden_states), pooled by the shared `bert.pooler`
       unless it has its own. Its metadata lists the exit layers and the pooler kind.
+  A run whose exits pool the mean of the tokens (exit_pooling="mean") is refused: HF's
+  BertForSequenceClassification pools [CLS], so its predictions would silently differ.
   """
   import transformers  # pylint: disable=import-outside-toplevel
+  exit_pooling = getattr(run.model, "exit_pooling", "cls")
+  if exit_pooling != "cls":
+    raise ValueError(f"{run.workdir}: its exits pool with exit_pooling={exit_pooling!r}, which "
+                     "HF's BertForSequenceClassification cannot reproduce (it pools [CLS]); "
+                     "export supports exit_pooling='cls' runs only")
   out = pathlib.Path(out_dir) if out_dir is not None else run.workdir / EXPORT_DIR
   out.mkdir(parents=True, exist_ok=True)
   params = run.params

@@ -182,8 +182,10 @@ class _Stages:
                          for i in range(self.num_layers)]
     head = multi_exit.ExitHead(model.config, model.num_labels, own_pooler=True,
                                dtype=model.dtype, precision=model.precision, parent=None)
-    self.head_fn = lambda p, hidden: head.apply(
-        {"params": p}, hidden, method=lambda m, h: m.classify(m.pool(h)))
+    pooling = model.exit_pooling
+    self.head_fn = lambda p, hidden, mask: head.apply(
+        {"params": p}, multi_exit.pooler_input(hidden, mask, pooling),
+        method=lambda m, h: m.classify(m.pool(h)))
     self.head = jax.jit(self.head_fn)
     shared = params["bert"]["pooler"]
     self.head_params = {
@@ -230,14 +232,14 @@ class EarlyExitRunner(_Stages):
     self._init = init_state(1)
 
   def layer_and_exit(self, policy: Policy) -> Callable:
-    """(settings, layer params, head params, hidden, bias, state, is_last) -> (hidden, state,
-    exit now, prediction [1]), compiled once per policy name."""
+    """(settings, layer params, head params, hidden, bias, mask, state, is_last) -> (hidden,
+    state, exit now, prediction [1]), compiled once per policy name."""
     if policy.name not in self._fused:
       name, regression = policy.name, self.regression
 
-      def fused(settings, layer_params, head_params, hidden, bias, state, is_last):
+      def fused(settings, layer_params, head_params, hidden, bias, mask, state, is_last):
         hidden = self.layer_fn(layer_params, hidden, bias)
-        logits = self.head_fn(head_params, hidden)
+        logits = self.head_fn(head_params, hidden, mask)
         state, exit_now = policy_step(name, regression, settings, state, logits, is_last)
         return hidden, state, exit_now[0], prediction(logits, regression)
 
@@ -257,7 +259,7 @@ class EarlyExitRunner(_Stages):
         hidden = self.layer(params, hidden, bias)
         continue
       hidden, state, exit_now, pred = step(settings, params, self.head_params[layer], hidden,
-                                           bias, state, layer == last_exit)
+                                           bias, attention_mask, state, layer == last_exit)
       if bool(exit_now):  # the host decides: the only sync per exit
         return np.asarray(pred), layer
     raise AssertionError("the last exit always exits")
@@ -299,7 +301,7 @@ class CompiledEarlyExit(_Stages):
         hidden = self.layer_fn(layer_params[layer - 1], hidden, bias)
         if layer not in head_params:
           return from_layer(layer + 1, hidden, state)
-        logits = self.head_fn(head_params[layer], hidden)
+        logits = self.head_fn(head_params[layer], hidden, mask)
         state, exit_now = policy_step(name, regression, settings, state, logits,
                                       layer == last_exit)
         pred = prediction(logits, regression)[0].astype(jnp.float32)
@@ -331,6 +333,7 @@ class BatchedEarlyExit(_Stages):
     batch = input_ids.shape[0]
     step = self.policy_step(policy)
     hidden, bias = self.embed(input_ids, attention_mask, token_type_ids)
+    mask = attention_mask  # rows follow hidden's through the compaction
     state = init_state(batch)
     active = np.arange(batch)  # original row of each running row
     preds = np.zeros((batch,), np.float32 if self.regression else np.int32)
@@ -340,7 +343,7 @@ class BatchedEarlyExit(_Stages):
       hidden = self.layer(self.layer_params[layer - 1], hidden, bias)
       if layer not in self.head_params:
         continue
-      logits = self.head(self.head_params[layer], hidden)
+      logits = self.head(self.head_params[layer], hidden, mask)
       state, exit_now = step(state, logits, layer == last_exit)
       done = np.asarray(exit_now)[:len(active)]
       preds[active[done]] = np.asarray(prediction(logits, self.regression))[:len(active)][done]
@@ -351,7 +354,7 @@ class BatchedEarlyExit(_Stages):
       keep = np.flatnonzero(~done)
       # Pad the survivors to a power of two by repeating the first one: a few static shapes.
       rows = np.concatenate([keep, np.full(_pow2_at_least(len(keep)) - len(keep), keep[0])])
-      hidden, bias = hidden[rows], bias[rows]
+      hidden, bias, mask = hidden[rows], bias[rows], mask[rows]
       state = jax.tree.map(lambda x: x[rows], state)
     return preds, exits
 

@@ -267,7 +267,8 @@ def build_model(config, bert_config: bert.BertConfig, task: data.TaskSpec):
                 precision=PRECISIONS[config.matmul_precision])
   if config.multi_exit:
     return multi_exit.MultiExitBert(exit_layers=tuple(config.exit_layers) or None,
-                                    pooler=config.pooler, **common)
+                                    pooler=config.pooler, exit_pooling=config.exit_pooling,
+                                    **common)
   return bert.BertForSequenceClassification(**common)
 
 
@@ -427,6 +428,13 @@ def validate_config(config) -> None:
                      f"{', '.join(multi_exit.EXIT_WEIGHTS)}.")
   if config.pooler not in multi_exit.POOLERS:
     raise ValueError(f"config.pooler={config.pooler!r}; valid: {', '.join(multi_exit.POOLERS)}.")
+  if config.exit_pooling not in multi_exit.EXIT_POOLINGS:
+    raise ValueError(f"config.exit_pooling={config.exit_pooling!r}; valid: "
+                     f"{', '.join(multi_exit.EXIT_POOLINGS)}.")
+  if config.exit_pooling != "cls" and not config.multi_exit:
+    raise ValueError(f"config.exit_pooling={config.exit_pooling!r} sets what multi-exit exits "
+                     "pool; a single-exit model pools [CLS] as BertForSequenceClassification "
+                     "does: add the `multi_exit` preset or drop exit_pooling.")
   if config.gate_chunk < 1:
     raise ValueError(f"config.gate_chunk={config.gate_chunk} must be >= 1 (exits per chunk).")
   if OBJECTIVES[config.objective].aux and data.get_task(config.task).is_regression:
@@ -459,6 +467,11 @@ def load_backbone_config(config) -> tuple[pathlib.Path, bert.BertConfig, Any]:
   return ckpt_dir, bert_config, checkpoints.load_tokenizer(ckpt_dir)
 
 
+# Config fields added after runs were recorded, with the value those runs had: a config.json
+# without one reads as holding it, so older runs still resume and reload.
+ADDED_FIELDS = {"exit_pooling": "cls"}
+
+
 @dataclasses.dataclass
 class TrainedRun:
   """A run directory's model and trained parameters, rebuilt from config.json and
@@ -485,7 +498,8 @@ def load_trained_run(workdir, *, which: str = "latest") -> TrainedRun:
   workdir = pathlib.Path(workdir).expanduser().resolve()
   path = workdir / "config.json"
   try:
-    config = ml_collections.ConfigDict(json.loads(path.read_text())["config"])
+    config = ml_collections.ConfigDict({**ADDED_FIELDS,
+                                        **json.loads(path.read_text())["config"]})
   except FileNotFoundError:
     raise FileNotFoundError(f"{path} not found: {workdir} is not a run directory (train "
                             "into it first with --mode=train)") from None
@@ -571,7 +585,7 @@ def prepare_workdir(workdir: pathlib.Path, config, *, delete: bool = True) -> No
                        "string (or --config.overwrite=True) to start over")
     return
   try:
-    saved = json.loads(path.read_text())["config"]
+    saved = {**ADDED_FIELDS, **json.loads(path.read_text())["config"]}
   except (OSError, ValueError, KeyError, TypeError) as e:
     raise ValueError(f"{path}: unreadable run directory ({type(e).__name__}: {e}); add "
                      "`overwrite` to the config string (or --config.overwrite=True) to start "

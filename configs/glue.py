@@ -39,6 +39,7 @@ PRESET_KEYS = {
     "gate": str,
     "exit_weights": str,
     "pooler": str,
+    "exit_pooling": str,
     "teacher": str,
     "checkpoint_every": int,
     "devices": int,
@@ -96,6 +97,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.multi_exit = False
   config.exit_layers = ()  # 1-based layer numbers; () = every layer
   config.pooler = "shared"  # shared (the pretrained pooler) | per_exit (copies of it)
+  # What each exit's pooler reads: cls ([CLS], METHOD.md) | mean (the mean of the real tokens;
+  # for mean-pooling sentence encoders whose shallow [CLS] states carry no sentence).
+  config.exit_pooling = "cls"
   config.exit_weights = "asc"  # asc (w_e proportional to e, PABEE) | uniform | desc
   config.gate = "per_exit"  # ACL-Grad decisions: per_exit (one per exit) | global (one)
   # Exits whose two gradient pytrees are pulled back at once by the per-exit gate: peak memory

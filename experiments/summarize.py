@@ -31,6 +31,7 @@ def load_run(workdir: pathlib.Path) -> dict | None:
       "workdir": str(workdir),
       "task": config["task"], "model": config["model"], "objective": config["objective"],
       "multi_exit": config.get("multi_exit", False), "gate": config.get("gate"),
+      "exit_pooling": config.get("exit_pooling", "cls"),
       "lr": config["learning_rate"], "epochs": config["num_epochs"],
       "max_steps": config["max_steps"], "batch_size": config["batch_size"],
       "seed": config["seed"], "metrics": metrics, "main_metric": results["main_metric"],
@@ -100,6 +101,8 @@ def main():
     if run.get("multi_exit"):
       objective = f"multi-exit {objective}" + (f" ({run['gate']} gate)"
                                                if objective in GATED else "")
+      if run.get("exit_pooling", "cls") != "cls":
+        objective += f", {run['exit_pooling']}-pooled exits"
     groups[(run["task"], run["model"], objective, run["lr"], run["epochs"],
             run["max_steps"])].append(run)
   lines = ["| task | model | objective | lr | epochs | seeds | dev metrics (mean ± std) "

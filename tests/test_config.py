@@ -45,10 +45,12 @@ def test_regression_task_defaults_to_ce():
 
 
 def test_multi_exit_presets():
-  config = glue.get_config("rte,multi_exit,objective=acl_cl,gate=global,exit_weights=uniform")
+  config = glue.get_config("rte,multi_exit,objective=acl_cl,gate=global,exit_weights=uniform,"
+                           "exit_pooling=mean")
   assert config.multi_exit and config.objective == "acl_cl"
-  assert (config.gate, config.exit_weights) == ("global", "uniform")
+  assert (config.gate, config.exit_weights, config.exit_pooling) == ("global", "uniform", "mean")
   assert not glue.get_config("rte").multi_exit
+  assert glue.get_config("rte,multi_exit").exit_pooling == "cls"  # METHOD.md's [CLS] exits
 
 
 def test_task_aliases():

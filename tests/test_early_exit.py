@@ -142,9 +142,27 @@ POLICIES = [early_exit.Policy("entropy", 0.2), early_exit.Policy("entropy", 0.5)
             early_exit.Policy("pcee", 0.6, patience=2)]
 
 
-@pytest.mark.parametrize("exit_layers", [None, (2, 4)])  # None: an exit after every layer
-def test_real_early_exit_matches_counted_mode_and_skips_layers(trained_like, exit_layers):
+# None: an exit after every layer.
+EXITS_AND_POOLING = [(None, "cls"), ((2, 4), "cls"), (None, "mean")]
+
+
+def _pooled_by(model, params, exit_pooling):
+  """The trained-like model with exits that pool `exit_pooling`. In this random model the
+  token mean varies less across examples than [CLS] does, so mean-pooled exits get 10x
+  sharper classifiers: without them every policy exits at the same layer or two."""
+  if exit_pooling == "cls":
+    return model, params
+  params = {name: ({**sub, "classifier": {**sub["classifier"],
+                                          "kernel": sub["classifier"]["kernel"] * 10.0}}
+                   if name.startswith("exit_") else sub) for name, sub in params.items()}
+  return model.clone(exit_pooling=exit_pooling), params
+
+
+@pytest.mark.parametrize("exit_layers, exit_pooling", EXITS_AND_POOLING)
+def test_real_early_exit_matches_counted_mode_and_skips_layers(trained_like, exit_layers,
+                                                               exit_pooling):
   model, params, dev = trained_like
+  model, params = _pooled_by(model, params, exit_pooling)  # mean: padded batch-1 inputs need the mask
   if exit_layers:  # layers 1 and 3 run without an exit head
     model = model.clone(exit_layers=exit_layers)
     params = {k: v for k, v in params.items() if k not in ("exit_1", "exit_3")}
@@ -171,9 +189,11 @@ def test_real_early_exit_matches_counted_mode_and_skips_layers(trained_like, exi
   assert len(exits_seen) >= (2 if exit_layers else 3)
 
 
-@pytest.mark.parametrize("exit_layers", [None, (2, 4)])
-def test_compiled_runner_matches_counted_mode_and_skips_layers(trained_like, exit_layers):
+@pytest.mark.parametrize("exit_layers, exit_pooling", EXITS_AND_POOLING)
+def test_compiled_runner_matches_counted_mode_and_skips_layers(trained_like, exit_layers,
+                                                               exit_pooling):
   model, params, dev = trained_like
+  model, params = _pooled_by(model, params, exit_pooling)  # mean: padded batch-1 inputs need the mask
   if exit_layers:
     model = model.clone(exit_layers=exit_layers)
     params = {k: v for k, v in params.items() if k not in ("exit_1", "exit_3")}
@@ -202,8 +222,10 @@ def test_compiled_runner_matches_counted_mode_and_skips_layers(trained_like, exi
   assert len(exits_seen) >= (2 if exit_layers else 3)
 
 
-def test_batched_server_path_matches_counted_mode(trained_like):
+@pytest.mark.parametrize("exit_pooling", multi_exit.EXIT_POOLINGS)
+def test_batched_server_path_matches_counted_mode(trained_like, exit_pooling):
   model, params, dev = trained_like
+  model, params = _pooled_by(model, params, exit_pooling)  # mean: compacted rows keep their own mask
   server = early_exit.BatchedEarlyExit(model, params)
   batches = list(data.eval_batches(dev, batch_size=16, boundaries=(32, 64)))[:3]
   for policy in POLICIES:

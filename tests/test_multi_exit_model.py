@@ -155,10 +155,12 @@ def test_unknown_pooler_is_refused(tiny):
     MultiExitBert(tiny[0], NUM_LABELS, pooler="own")
 
 
-@pytest.mark.parametrize("pooler", multi_exit.POOLERS)
-def test_layer_by_layer_equals_the_full_forward(tiny, batch, pooler):
+@pytest.mark.parametrize("pooler, exit_pooling", [("shared", "cls"), ("per_exit", "cls"),
+                                                   ("shared", "mean")])
+def test_layer_by_layer_equals_the_full_forward(tiny, batch, pooler, exit_pooling):
   config, pretrained = tiny
-  model = MultiExitBert(config, NUM_LABELS, exit_layers=(1, 3), pooler=pooler)
+  model = MultiExitBert(config, NUM_LABELS, exit_layers=(1, 3), pooler=pooler,
+                        exit_pooling=exit_pooling)
   params = _init(model, pretrained)
   if pooler == "per_exit":
     params = multi_exit.init_per_exit_poolers(params)
@@ -174,7 +176,8 @@ def test_layer_by_layer_equals_the_full_forward(tiny, batch, pooler):
     hidden = model.apply(variables, hidden, bias, layer, method=MultiExitBert.layer)
     np.testing.assert_array_equal(hidden, full["hidden_states"][layer])
     if layer in model.resolved_exit_layers():
-      exits[layer] = model.apply(variables, hidden, layer, method=MultiExitBert.exit_head)
+      exits[layer] = model.apply(variables, hidden, layer, batch[1],
+                                 method=MultiExitBert.exit_head)
   for e, layer in enumerate(model.resolved_exit_layers()):
     np.testing.assert_array_equal(exits[layer]["logits"], full["logits"][e])
     np.testing.assert_array_equal(exits[layer]["pooled"], full["pooled"][e])
@@ -232,3 +235,64 @@ def test_dropout_only_when_not_deterministic(tiny, batch):
     head = params[f"exit_{layer}"]["classifier"]
     undropped = np.asarray(noisy["pooled"][e]) @ head["kernel"] + head["bias"]
     assert not np.allclose(noisy["logits"][e], undropped, atol=1e-4)
+
+
+def _np_mean_pool(params, hidden, mask) -> np.ndarray:
+  """The pooler's dense + tanh on the mean of each row's real tokens, in float64."""
+  hidden, mask = np.asarray(hidden, np.float64), np.asarray(mask, np.float64)
+  mean = (hidden * mask[:, :, None]).sum(1) / np.maximum(mask.sum(1), 1)[:, None]
+  return np.tanh(mean @ params["dense"]["kernel"] + params["dense"]["bias"])
+
+
+@pytest.mark.parametrize("pooler", multi_exit.POOLERS)
+def test_mean_pooled_exits_by_hand(tiny, batch, pooler):
+  config, pretrained = tiny
+  model = MultiExitBert(config, NUM_LABELS, pooler=pooler, exit_pooling="mean")
+  params = _init(model, pretrained)
+  if pooler == "per_exit":
+    params = multi_exit.init_per_exit_poolers(params)
+    params["exit_2"]["pooler"]["dense"]["bias"] += 0.5  # so reading the wrong pooler shows
+  out = model.apply({"params": params}, *batch)
+  mask = batch[1]
+  for e, layer in enumerate((1, 2, 3)):
+    pooler_params = params[f"exit_{layer}"]["pooler"] if pooler == "per_exit" else pretrained[
+        "pooler"]
+    pooled = _np_mean_pool(pooler_params, out["hidden_states"][layer], mask)
+    head = params[f"exit_{layer}"]["classifier"]
+    np.testing.assert_allclose(out["pooled"][e], pooled, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(out["logits"][e], pooled @ head["kernel"] + head["bias"],
+                               rtol=0, atol=1e-5)
+  # The all-padding row pools to tanh(bias), not NaN.
+  assert np.all(np.isfinite(out["pooled"]))
+  # Not the [CLS] exits: the mean reads other positions.
+  cls_out = model.clone(exit_pooling="cls").apply({"params": params}, *batch)
+  assert not np.allclose(out["pooled"][-1], cls_out["pooled"][-1], atol=1e-3)
+
+
+def test_mean_pooled_exits_ignore_padding_tokens(tiny, batch):
+  """Appending padding to every row leaves the mean-pooled exits unchanged (a mean that
+  counted padded positions would move)."""
+  config, pretrained = tiny
+  model = MultiExitBert(config, NUM_LABELS, exit_pooling="mean")
+  params = _init(model, pretrained)
+  ids, mask, types = batch
+  pad = lambda x: np.pad(x, ((0, 0), (0, 5)))
+  short = model.apply({"params": params}, ids[:3], mask[:3], types[:3])
+  padded = model.apply({"params": params}, pad(ids)[:3], pad(mask)[:3], pad(types)[:3])
+  np.testing.assert_allclose(padded["logits"], short["logits"], rtol=0, atol=1e-5)
+  np.testing.assert_allclose(padded["pooled"], short["pooled"], rtol=0, atol=1e-5)
+
+
+def test_pooler_input_in_bfloat16_sums_in_float32():
+  hidden = jnp.full((1, 300, 4), 1.01, jnp.bfloat16)
+  mask = jnp.ones((1, 300), jnp.int32)
+  out = multi_exit.pooler_input(hidden, mask, "mean")
+  assert out.shape == (1, 1, 4) and out.dtype == jnp.bfloat16
+  # Summed in float32 and cast back once: the mean of equal values is that value.
+  np.testing.assert_allclose(np.asarray(out, np.float32),
+                             np.float32(jnp.asarray(1.01, jnp.bfloat16)), rtol=0, atol=1e-6)
+  assert multi_exit.pooler_input(hidden, mask, "cls") is hidden
+  with pytest.raises(ValueError, match=r"exit_pooling='max'.*\['cls', 'mean'\]"):
+    multi_exit.pooler_input(hidden, mask, "max")
+  with pytest.raises(ValueError, match=r"exit_pooling='max'.*\['cls', 'mean'\]"):
+    MultiExitBert(bert.BertConfig(), NUM_LABELS, exit_pooling="max")

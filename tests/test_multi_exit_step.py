@@ -209,3 +209,53 @@ def test_multi_exit_objectives_need_the_multi_exit_preset(tiny_bert_dir, glue_di
   config = glue.get_config(f"rte,model={tiny_bert_dir},objective=kd")
   with pytest.raises(ValueError, match="objective='kd' needs a multi-exit model"):
     train.train_and_evaluate(config, str(tmp_path / "run"))
+
+
+def test_mean_pooled_exits_train_reload_and_refuse_export(setup, glue_dir, tmp_path):
+  ckpt = setup[0]
+  workdir = tmp_path / "run"
+  config = multi_exit_config(ckpt, glue_dir, "objective=acl_cl,exit_pooling=mean,max_steps=2")
+  results = train.train_and_evaluate(config, str(workdir))
+  assert set(results["final"]["validation"]) >= {"exit1/accuracy", "avg/accuracy"}
+  run = train.load_trained_run(workdir)
+  assert run.model.exit_pooling == "mean"
+  # The reloaded model pools the mean: its exits differ from the same params read at [CLS].
+  batch = next(iter(data.eval_batches(run.load_split("validation"), batch_size=8,
+                                      boundaries=run.boundaries)))
+  inputs = [batch[k] for k in train.MODEL_INPUTS]
+  mean_logits = run.model.apply({"params": run.params}, *inputs)["logits"]
+  cls_logits = run.model.clone(exit_pooling="cls").apply({"params": run.params}, *inputs)["logits"]
+  assert not np.allclose(mean_logits, cls_logits, atol=1e-4)
+  with pytest.raises(ValueError, match=r"exit_pooling='mean'.*BertForSequenceClassification"):
+    checkpoints.export_hf(run)
+
+
+def test_runs_recorded_before_exit_pooling_existed_resume_and_reload(setup, glue_dir,
+                                                                      tmp_path):
+  ckpt = setup[0]
+  workdir = tmp_path / "run"
+  config = multi_exit_config(ckpt, glue_dir, "objective=ce,max_steps=2")
+  train.train_and_evaluate(config, str(workdir))
+  path = workdir / "config.json"
+  saved = json.loads(path.read_text())
+  del saved["config"]["exit_pooling"]  # as written before the field was added
+  path.write_text(json.dumps(saved))
+
+  assert train.load_trained_run(workdir).model.exit_pooling == "cls"
+  resumed = train.train_and_evaluate(config, str(workdir))
+  assert resumed["checkpoints"]["resumed_from_step"] == 2
+  path.write_text(json.dumps(saved))
+  other = multi_exit_config(ckpt, glue_dir, "objective=ce,max_steps=2,exit_pooling=mean")
+  with pytest.raises(ValueError, match=r"another config \(exit_pooling: 'cls' -> 'mean'\)"):
+    train.train_and_evaluate(other, str(workdir))
+
+
+@pytest.mark.parametrize("preset, message", [
+    ("multi_exit,exit_pooling=max", r"config\.exit_pooling='max'; valid: cls, mean"),
+    ("exit_pooling=mean", r"exit_pooling='mean' sets what multi-exit exits pool.*`multi_exit`"),
+])
+def test_bad_exit_pooling_is_refused_before_loading(tiny_bert_dir, glue_dir, tmp_path, preset,
+                                                    message):
+  config = glue.get_config(f"rte,model={tiny_bert_dir},objective=ce,{preset}")
+  with pytest.raises(ValueError, match=message):
+    train.train_and_evaluate(config, str(tmp_path / "run"))

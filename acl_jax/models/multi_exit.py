@@ -10,6 +10,11 @@ Parameter tree (exit layers are 1-based, as in METHOD.md: exit e reads layer e's
     exit_<e>/pooler/dense/{kernel,bias} only with pooler="per_exit"; start them from the
                                   pretrained pooler with `init_per_exit_poolers`
 
+What an exit's pooler reads (`exit_pooling`): "cls", the layer's [CLS] state (METHOD.md, the
+default), or "mean", the mean of the layer's real tokens. The mean is not in METHOD.md: it is
+for checkpoints whose [CLS] state only gathers the sentence in the last layers (mean-pooling
+sentence encoders such as all-MiniLM-L6-v2), where [CLS]-pooled shallow exits cannot learn.
+
 The full forward serves training; `embed`, `layer` and `exit_head` (via
 `model.apply(variables, ..., method=...)`) run the same parameters one stage at a time for
 early-exit inference.
@@ -26,7 +31,28 @@ from acl_jax.models.bert import (Array, BertConfig, BertLayer, BertModel, BertPo
                                  Dtype, classifier_dense)
 
 POOLERS = ("shared", "per_exit")
+EXIT_POOLINGS = ("cls", "mean")
 EXIT_WEIGHTS = ("asc", "uniform", "desc")
+
+
+def pooler_input(hidden: Array, attention_mask: Array | None, exit_pooling: str) -> Array:
+  """What an exit's pooler (dense + tanh on position 0) reads from a layer's output [B, T, H].
+
+  cls: the output itself, so the pooler takes [CLS]. mean: the mean over the tokens that
+  attention_mask marks as real (None: every token), as a one-position sequence [B, 1, H], so
+  that one pooler module (the shared pretrained one, or an exit's own) serves both. Summed in
+  float32; a row without a real token (batch padding) pools to zeros, not NaN.
+  """
+  if exit_pooling == "cls":
+    return hidden
+  if exit_pooling != "mean":
+    raise ValueError(f"exit_pooling={exit_pooling!r}; use one of {list(EXIT_POOLINGS)}")
+  if attention_mask is None:
+    attention_mask = jnp.ones(hidden.shape[:2], jnp.float32)
+  weights = attention_mask.astype(jnp.float32)[:, :, None]
+  total = jnp.sum(hidden.astype(jnp.float32) * weights, axis=1, keepdims=True)
+  count = jnp.maximum(jnp.sum(weights, axis=1, keepdims=True), 1.0)
+  return (total / count).astype(hidden.dtype)
 
 
 def resolve_exit_layers(num_layers: int, exit_layers: tuple[int, ...] | None) -> tuple[int, ...]:
@@ -127,12 +153,14 @@ class MultiExitBert(nn.Module):
   Returns a dict of named intermediates, exits stacked in (sorted) exit order:
     logits: float32 [E, B, K]; pooled: float32 [E, B, H], before dropout (contrastive losses
     use it); hidden_states: the encoder's L+1 arrays [B, T, H].
-  num_labels=1 regresses.
+  num_labels=1 regresses. pooler: shared | per_exit; exit_pooling: cls | mean (see the module
+  docstring).
   """
   config: BertConfig
   num_labels: int
   exit_layers: tuple[int, ...] | None = None
   pooler: str = "shared"
+  exit_pooling: str = "cls"
   dtype: Dtype = jnp.float32
   precision: jax.lax.PrecisionLike = None
   classifier_dropout: float | None = None
@@ -141,6 +169,8 @@ class MultiExitBert(nn.Module):
     # Fail at construction, not at the first init/apply deep inside a jit trace.
     if self.pooler not in POOLERS:
       raise ValueError(f"pooler={self.pooler!r}; use one of {list(POOLERS)}")
+    if self.exit_pooling not in EXIT_POOLINGS:
+      raise ValueError(f"exit_pooling={self.exit_pooling!r}; use one of {list(EXIT_POOLINGS)}")
     resolve_exit_layers(self.config.num_hidden_layers, self.exit_layers)
     super().__post_init__()
 
@@ -155,10 +185,11 @@ class MultiExitBert(nn.Module):
                                   name=f"exit_{layer}")
                   for layer in self.resolved_exit_layers()}
 
-  def _pool(self, hidden: Array, layer: int) -> Array:
+  def _pool(self, hidden: Array, layer: int, attention_mask: Array | None) -> Array:
+    tokens = pooler_input(hidden, attention_mask, self.exit_pooling)
     if self.pooler == "shared":
-      return self.bert.pool(hidden)
-    return self.heads[layer].pool(hidden)
+      return self.bert.pool(tokens)
+    return self.heads[layer].pool(tokens)
 
   def __call__(self, input_ids: Array, attention_mask: Array | None = None,
                token_type_ids: Array | None = None, *,
@@ -168,11 +199,11 @@ class MultiExitBert(nn.Module):
     last = self.config.num_hidden_layers
     logits, pooled = [], []
     for layer in self.resolved_exit_layers():
-      # BertModel already pooled the last layer with the shared pooler.
-      if self.pooler == "shared" and layer == last:
+      # BertModel already pooled the last layer's [CLS] with the shared pooler.
+      if self.pooler == "shared" and self.exit_pooling == "cls" and layer == last:
         vector = encoded["pooled"]
       else:
-        vector = self._pool(hidden_states[layer], layer)
+        vector = self._pool(hidden_states[layer], layer, attention_mask)
       pooled.append(vector.astype(jnp.float32))
       logits.append(self.heads[layer].classify(vector, deterministic=deterministic))
     return {"logits": jnp.stack(logits), "pooled": jnp.stack(pooled),
@@ -196,10 +227,12 @@ class MultiExitBert(nn.Module):
     return BertLayer(self.config, self.dtype, self.precision, parent=None).apply(
         {"params": params}, hidden, bias)
 
-  def exit_head(self, hidden: Array, layer: int) -> dict[str, Array]:
-    """Exit `layer`'s float32 logits [B, K] and pooled [B, H] from hidden_states[layer]."""
+  def exit_head(self, hidden: Array, layer: int,
+                attention_mask: Array | None = None) -> dict[str, Array]:
+    """Exit `layer`'s float32 logits [B, K] and pooled [B, H] from hidden_states[layer]
+    (attention_mask: the input's, which exit_pooling="mean" needs)."""
     if layer not in self.heads:
       raise ValueError(f"layer {layer} has no exit; exits: {self.resolved_exit_layers()}")
-    pooled = self._pool(hidden, layer)
+    pooled = self._pool(hidden, layer, attention_mask)
     return {"logits": self.heads[layer].classify(pooled),
             "pooled": pooled.astype(jnp.float32)}
