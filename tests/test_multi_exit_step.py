@@ -211,7 +211,7 @@ def test_multi_exit_objectives_need_the_multi_exit_preset(tiny_bert_dir, glue_di
     train.train_and_evaluate(config, str(tmp_path / "run"))
 
 
-def test_mean_pooled_exits_train_reload_and_refuse_export(setup, glue_dir, tmp_path):
+def test_mean_pooled_exits_train_reload_resume_and_refuse_export(setup, glue_dir, tmp_path):
   ckpt = setup[0]
   workdir = tmp_path / "run"
   config = multi_exit_config(ckpt, glue_dir, "objective=acl_cl,exit_pooling=mean,max_steps=2")
@@ -229,25 +229,18 @@ def test_mean_pooled_exits_train_reload_and_refuse_export(setup, glue_dir, tmp_p
   with pytest.raises(ValueError, match=r"exit_pooling='mean'.*BertForSequenceClassification"):
     checkpoints.export_hf(run)
 
-
-def test_runs_recorded_before_exit_pooling_existed_resume_and_reload(setup, glue_dir,
-                                                                      tmp_path):
-  ckpt = setup[0]
-  workdir = tmp_path / "run"
-  config = multi_exit_config(ckpt, glue_dir, "objective=ce,max_steps=2")
-  train.train_and_evaluate(config, str(workdir))
+  # A config.json written before the field existed reads as [CLS] exits: such runs reload,
+  # resume under a [CLS] config, and refuse a mean one.
   path = workdir / "config.json"
   saved = json.loads(path.read_text())
-  del saved["config"]["exit_pooling"]  # as written before the field was added
+  del saved["config"]["exit_pooling"]
   path.write_text(json.dumps(saved))
-
   assert train.load_trained_run(workdir).model.exit_pooling == "cls"
+  with pytest.raises(ValueError, match=r"another config \(exit_pooling: 'cls' -> 'mean'\)"):
+    train.train_and_evaluate(config, str(workdir))
+  config.exit_pooling = "cls"
   resumed = train.train_and_evaluate(config, str(workdir))
   assert resumed["checkpoints"]["resumed_from_step"] == 2
-  path.write_text(json.dumps(saved))
-  other = multi_exit_config(ckpt, glue_dir, "objective=ce,max_steps=2,exit_pooling=mean")
-  with pytest.raises(ValueError, match=r"another config \(exit_pooling: 'cls' -> 'mean'\)"):
-    train.train_and_evaluate(other, str(workdir))
 
 
 @pytest.mark.parametrize("preset, message", [
