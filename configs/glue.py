@@ -41,6 +41,7 @@ PRESET_KEYS = {
     "pooler": str,
     "exit_pooling": str,
     "teacher": str,
+    "cl_weight": float,
     "checkpoint_every": int,
     "devices": int,
 }

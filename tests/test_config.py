@@ -23,6 +23,13 @@ def test_lambda_and_temperature_presets():
   assert config.objective == "scl" and config["lambda"] == 0.9 and config.temperature == 0.1
 
 
+def test_cl_weight_preset_sets_mu():
+  config = glue.get_config("cola,multi_exit,objective=acl_cl,cl_weight=0.1")
+  assert config.objective == "acl_cl" and config.cl_weight == 0.1
+  with pytest.raises(ValueError, match="cl_weight='x'"):
+    glue.get_config("cola,cl_weight=x")
+
+
 def test_presets_set_fields():
   config = glue.get_config("mrpc,model=minilm,objective=ce,epochs=5,seed=3,max_steps=7,lr=3e-5")
   assert config.task == "mrpc" and config.model == "minilm" and config.objective == "ce"
