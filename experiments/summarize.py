@@ -17,6 +17,23 @@ import pathlib
 import statistics
 
 
+# Objectives whose multi-exit runs have a gate granularity worth naming.
+GATED = ("acl", "acl_project", "acl_cl")
+# Loss weights a grid may vary: config field -> (default in configs/glue.py, label, the
+# objectives it acts on). A run off the default is labelled and grouped apart, so a sweep
+# never averages two settings as if they were seeds. Records older than a field get its default.
+CONTRASTIVE = ("scl", "acl_embed", "acl", "acl_project", "acl_cl")
+TUNED = {"lambda": (0.5, "λ", CONTRASTIVE), "temperature": (0.3, "τ", CONTRASTIVE),
+         "cl_weight": (0.5, "μ", ("acl_cl",))}
+
+
+def tuned_label(run: dict) -> str:
+  """", λ 0.9, μ 0.1": the loss weights of `run` that differ from their defaults."""
+  return "".join(f", {label} {run.get(key, default):g}"
+                 for key, (default, label, objectives) in TUNED.items()
+                 if run["objective"] in objectives and run.get(key, default) != default)
+
+
 def load_run(workdir: pathlib.Path) -> dict | None:
   results_file = workdir / "eval_results.json"
   if not results_file.exists():
@@ -32,6 +49,7 @@ def load_run(workdir: pathlib.Path) -> dict | None:
       "task": config["task"], "model": config["model"], "objective": config["objective"],
       "multi_exit": config.get("multi_exit", False), "gate": config.get("gate"),
       "exit_pooling": config.get("exit_pooling", "cls"),
+      **{key: config.get(key, default) for key, (default, _, _) in TUNED.items()},
       "lr": config["learning_rate"], "epochs": config["num_epochs"],
       "max_steps": config["max_steps"], "batch_size": config["batch_size"],
       "seed": config["seed"], "metrics": metrics, "main_metric": results["main_metric"],
@@ -53,10 +71,6 @@ def mean_std(values):
   values = list(values)
   std = statistics.stdev(values) if len(values) > 1 else float("nan")
   return statistics.fmean(values), std
-
-
-# Objectives whose multi-exit runs have a gate granularity worth naming.
-GATED = ("acl", "acl_project", "acl_cl")
 
 
 def per_exit_row(task: str, objective: str, group: list[dict]) -> tuple[list[str], str]:
@@ -103,6 +117,7 @@ def main():
                                                if objective in GATED else "")
       if run.get("exit_pooling", "cls") != "cls":
         objective += f", {run['exit_pooling']}-pooled exits"
+    objective += tuned_label(run)
     groups[(run["task"], run["model"], objective, run["lr"], run["epochs"],
             run["max_steps"])].append(run)
   lines = ["| task | model | objective | lr | epochs | seeds | dev metrics (mean ± std) "
