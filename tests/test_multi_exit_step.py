@@ -84,11 +84,19 @@ def apply(tx, params, grads):
   return jax.tree.map(lambda p, u: p + u, params, updates)
 
 
+# One compiled step per (model, step options), reused across batches: a per-exit-gate step takes
+# tens of seconds to compile on a 2-core CPU, and the batches share one shape.
+_STEPS = {}
+
+
 def run_step(setup, batch_index, **kwargs):
   _, task, model, params, batches, tx, schedule, weights = setup
-  step = jax.jit(train.make_train_step(model, tx, schedule, task, aux_weight=LAMBDA,
-                                       temperature=TEMPERATURE, cl_weight=MU,
-                                       exit_weights=weights, **kwargs))
+  key = (id(model), tuple(sorted(kwargs.items())))
+  if key not in _STEPS:
+    _STEPS[key] = jax.jit(train.make_train_step(model, tx, schedule, task, aux_weight=LAMBDA,
+                                                temperature=TEMPERATURE, cl_weight=MU,
+                                                exit_weights=weights, **kwargs))
+  step = _STEPS[key]
   state = train.TrainState(step=jnp.asarray(batch_index, jnp.int32), params=params,
                            opt_state=tx.init(params))
   rng = jax.random.key(50 + batch_index)
