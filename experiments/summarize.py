@@ -16,15 +16,22 @@ import json
 import pathlib
 import statistics
 
+from acl_jax import train
+
 
 # Objectives whose multi-exit runs have a gate granularity worth naming.
-GATED = ("acl", "acl_project", "acl_cl")
+GATED = tuple(name for name, spec in train.OBJECTIVES.items() if spec.gate != "none")
 # Loss weights a grid may vary: config field -> (default in configs/glue.py, label, the
-# objectives it acts on). A run off the default is labelled and grouped apart, so a sweep
-# never averages two settings as if they were seeds. Records older than a field get its default.
-CONTRASTIVE = ("scl", "acl_embed", "acl", "acl_project", "acl_cl")
-TUNED = {"lambda": (0.5, "λ", CONTRASTIVE), "temperature": (0.3, "τ", CONTRASTIVE),
-         "cl_weight": (0.5, "μ", ("acl_cl",))}
+# objectives it acts on, from the auxiliary losses that read it). A run off the default is
+# labelled and grouped apart, so a sweep never averages two settings as if they were seeds.
+# Records older than a field get its default.
+def _reading(*aux_losses):
+  return tuple(name for name, spec in train.OBJECTIVES.items() if spec.aux in aux_losses)
+
+
+TUNED = {"lambda": (0.5, "λ", _reading("scl", "kd", "acl_embed", "acl_cl")),
+         "temperature": (0.3, "τ", _reading("scl", "acl_embed", "acl_cl")),
+         "cl_weight": (0.5, "μ", _reading("acl_cl"))}
 
 
 def tuned_label(run: dict) -> str:
