@@ -29,6 +29,8 @@ HUB_DATASET = "nyu-mll/glue"
 _CACHE_FORMAT = 1
 # Large enough for the fast tokenizer's Rust batch parallelism, small enough to bound memory.
 _TOKENIZE_CHUNK = 4096
+# The batch keys a model reads, in the order of its positional arguments.
+MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 
 _log = logging.getLogger(__name__)
 

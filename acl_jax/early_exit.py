@@ -1,6 +1,6 @@
 """Early-exit inference for multi-exit BERT: exit policies, counted and measured speed-ups.
 
-Policies (METHOD.md section 6), each a state machine stepped exit by exit:
+Policies (docs/method.md, "Early exit"), each a state machine stepped exit by exit:
   entropy   DeeBERT: exit at the first exit whose prediction entropy < threshold (nats);
   patience  PABEE: exit once the argmax has stayed the same for `threshold` consecutive exits
             (classification), or the prediction has moved by less than `tolerance` for
@@ -26,6 +26,7 @@ The same `policy_step` drives both paths, so they cannot disagree by constructio
 import dataclasses
 import functools
 import math
+import pathlib
 import time
 from typing import Any, Callable, Iterable, Sequence
 
@@ -33,6 +34,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from acl_jax import data
+from acl_jax import host
+from acl_jax import metrics as metrics_lib
+from acl_jax import run_dir
 from acl_jax.models import multi_exit
 from acl_jax.models.bert import BertLayer
 
@@ -161,8 +166,9 @@ def _pow2_at_least(n: int) -> int:
   return 1 << max(n - 1, 0).bit_length()
 
 
-class _Stages:
-  """The compiled stages of a MultiExitBert, each reused across layers or exits."""
+class _LayerByLayer:
+  """A MultiExitBert compiled piece by piece (embeddings, one layer, one exit head), each
+  piece reused across layers or exits."""
 
   def __init__(self, model: multi_exit.MultiExitBert, params):
     if not isinstance(model, multi_exit.MultiExitBert):
@@ -182,9 +188,9 @@ class _Stages:
                          for i in range(self.num_layers)]
     head = multi_exit.ExitHead(model.config, model.num_labels, own_pooler=True,
                                dtype=model.dtype, precision=model.precision, parent=None)
-    pooling = model.exit_pooling
+    pooler_input = model.pooler_input
     self.head_fn = lambda p, hidden, mask: head.apply(
-        {"params": p}, multi_exit.pooler_input(hidden, mask, pooling),
+        {"params": p}, multi_exit.pooled_tokens(hidden, mask, pooler_input),
         method=lambda m, h: m.classify(m.pool(h)))
     self.head = jax.jit(self.head_fn)
     shared = params["bert"]["pooler"]
@@ -217,7 +223,7 @@ class _Stages:
     return functools.partial(self._steps[policy.name], policy.settings())
 
 
-class EarlyExitRunner(_Stages):
+class EarlyExitRunner(_LayerByLayer):
   """Real early exit at batch size 1: layers after the exit are never computed.
 
   An exit layer is one compiled call (the layer, its exit head, the policy step and the
@@ -265,7 +271,7 @@ class EarlyExitRunner(_Stages):
     raise AssertionError("the last exit always exits")
 
 
-class CompiledEarlyExit(_Stages):
+class CompiledEarlyExit(_LayerByLayer):
   """Real early exit at batch size 1 as one compiled program per policy and length bucket.
 
   The layers are unrolled; after each exit head the rest of the network sits in the false
@@ -324,7 +330,7 @@ class CompiledEarlyExit(_Stages):
     return (pred if self.regression else pred.astype(np.int64)), int(layer)
 
 
-class BatchedEarlyExit(_Stages):
+class BatchedEarlyExit(_LayerByLayer):
   """Per-example exits inside a batch: finished rows leave, the rest run on, compacted."""
 
   def __call__(self, policy: Policy, input_ids, attention_mask, token_type_ids
@@ -377,7 +383,6 @@ def timed(fns: Sequence[Callable], examples: Iterable[tuple]) -> tuple[list[floa
 
 def single_examples(encoded, boundaries: Sequence[int]) -> list[tuple[np.ndarray, ...]]:
   """Every example of a split as batch-1 arrays, padded to its length bucket."""
-  from acl_jax import data
   out = []
   for i in range(len(encoded)):
     length = min(b for b in boundaries if b >= encoded.lengths[i])
@@ -389,14 +394,12 @@ def single_examples(encoded, boundaries: Sequence[int]) -> list[tuple[np.ndarray
 def _all_exit_logits(run, encoded) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Counted mode's one full forward: (exit logits [E, N, K], labels [N], mask [N]) over a
   split in eval order (padded rows masked)."""
-  from acl_jax import data
-  from acl_jax import train
   forward = jax.jit(lambda params, *inputs: run.model.apply(
       {"params": params}, *inputs, deterministic=True)["logits"])
   logits, labels, mask = [], [], []
   for batch in data.eval_batches(encoded, batch_size=run.config.eval_batch_size,
                                  boundaries=run.boundaries):
-    logits.append(forward(run.params, *(batch[k] for k in train.MODEL_INPUTS)))
+    logits.append(forward(run.params, *(batch[k] for k in data.MODEL_INPUTS)))
     labels.append(batch["labels"])
     mask.append(batch["mask"])
   return (np.concatenate(jax.device_get(logits), axis=1), np.concatenate(labels),
@@ -405,7 +408,6 @@ def _all_exit_logits(run, encoded) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def _eval_order(encoded, boundaries: Sequence[int], batch_size: int) -> np.ndarray:
   """Example index of every row of eval_batches (-1 for padding rows)."""
-  from acl_jax import data
   return np.concatenate([b["index"] for b in data.eval_batches(
       encoded, batch_size=batch_size, boundaries=boundaries)])
 
@@ -417,7 +419,6 @@ def sweep(run, *, split: str | None = None, policies: Sequence[str] | None = Non
   """Sweeps every policy's threshold on a trained multi-exit run: the dev metric and counted
   speed-up for each, and (measure=True) the measured batch-1 latency of real early exiting
   against the full model, in this same process. Returns early_exit.json's content."""
-  from acl_jax import metrics as metrics_lib
   if not isinstance(run.model, multi_exit.MultiExitBert):
     raise ValueError(f"{run.workdir} is a single-exit run; early exit needs a multi-exit one "
                      "(train with the `multi_exit` preset)")
@@ -429,7 +430,7 @@ def sweep(run, *, split: str | None = None, policies: Sequence[str] | None = Non
   bad = [p for p in policies if p not in valid]
   if bad:
     raise ValueError(f"policies {bad} do not apply to {task.name}; valid: {', '.join(valid)}")
-  encoded = run.load_split(split)
+  encoded = run.load_encoded(split)
   exit_layers = run.model.resolved_exit_layers()
   num_layers = run.model.config.num_hidden_layers
   exit_logits, labels, mask = _all_exit_logits(run, encoded)
@@ -533,10 +534,8 @@ def _compare_runners(run, runner, examples, grid, log) -> list[dict[str, Any]]:
 
 def _measure_batched(run, encoded, grid, batch_size: int, log, max_examples: int | None
                      ) -> list[dict[str, Any]]:
-  from acl_jax import data
-  from acl_jax import train
   server = BatchedEarlyExit(run.model, run.params)
-  batches = [tuple(b[k] for k in train.MODEL_INPUTS) for b in data.eval_batches(
+  batches = [tuple(b[k] for k in data.MODEL_INPUTS) for b in data.eval_batches(
       encoded, batch_size=batch_size, boundaries=run.boundaries)]
   if max_examples is not None:
     batches = batches[:max(1, -(-max_examples // batch_size))]
@@ -592,16 +591,13 @@ def run_on_workdir(workdir, *, which: str = "latest", max_examples: int | None =
                    measure: bool = True, log: Callable[[str], None] = print) -> dict[str, Any]:
   """--mode=early_exit: sweeps a trained multi-exit run and writes <workdir>/early_exit.json
   and <workdir>/early_exit.png."""
-  import json
-  import pathlib
-  from acl_jax import train
-  run = train.load_trained_run(workdir, which=which)
+  run = run_dir.load_trained_run(workdir, which=which)
   result = sweep(run, max_examples=max_examples, measure=measure, log=log)
   result["params"] = which
-  result["meta"] = train.run_metadata()
+  result["meta"] = host.run_metadata()
   out = pathlib.Path(run.workdir)
-  (out / "early_exit.json").write_text(json.dumps(result, indent=2) + "\n")
-  plot([result], out / "early_exit.png")
+  run_dir.write_json(out / run_dir.EARLY_EXIT_FILE, result)
+  plot([result], out / run_dir.EARLY_EXIT_PLOT)
   for name, rows in result["policies"].items():
     for row in rows:
       measured = (f", measured {row['measured_speedup_ratio']:.2f}x "

@@ -1,4 +1,6 @@
-"""ACL-Grad: gate an auxiliary gradient on its agreement with the CE gradient (METHOD.md 4).
+"""ACL-Grad: gate an auxiliary gradient on its agreement with the CE gradient.
+
+The method is in docs/method.md ("The gate").
 
 Everything is a pure function of gradient pytrees, free of Python branching on their values, so
 it runs inside the jit-compiled train step. Agreement is measured in float32 at HIGHEST

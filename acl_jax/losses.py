@@ -36,7 +36,7 @@ def mse(predictions, targets, *, mask=None) -> jax.Array:
 
 # Contrastive losses. One SupCon core serves SCL, ACL-Embed and ACL-CL: each builds a set of
 # elements with labels, says which elements are valid candidates and which are anchors, and the
-# core does the rest (METHOD.md section 3).
+# core does the rest (docs/method.md, "Losses").
 
 # Floor on the squared norm: a zero vector normalizes to zero with a finite (if large) gradient.
 _NORM_FLOOR = 1e-12
@@ -86,7 +86,7 @@ def scl(features, labels, *, temperature, mask=None) -> jax.Array:
   return _supcon(features, labels.astype(jnp.int32), valid, valid, temperature=temperature)
 
 
-_ANCHORS = ("all", "samples")
+ANCHORS = ("all", "samples")
 
 
 def acl_embed(features, labels, label_embeddings, *, temperature, mask=None,
@@ -97,8 +97,8 @@ def acl_embed(features, labels, label_embeddings, *, temperature, mask=None,
   anchors="all": samples and label embeddings are anchors; "samples": only the samples, the
   label embeddings staying candidates and positives.
   """
-  if anchors not in _ANCHORS:
-    raise ValueError(f"anchors={anchors!r}; expected one of {_ANCHORS}")
+  if anchors not in ANCHORS:
+    raise ValueError(f"anchors={anchors!r}; expected one of {ANCHORS}")
   n, k = features.shape[0], label_embeddings.shape[0]
   valid = _valid(mask, n) > 0
   elements = jnp.concatenate(

@@ -2,16 +2,22 @@
 
     python -m acl_jax.main --config=configs/glue.py:rte --workdir=runs/rte
     python -m acl_jax.main --mode=early_exit --workdir=runs/rte_multi_exit
+    python -m acl_jax.main --mode=export --workdir=runs/rte
 """
+
+import logging as std_logging
 
 from absl import app
 from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
-from acl_jax import checkpoints
+from acl_jax import config as config_lib
 from acl_jax import early_exit
+from acl_jax import hf_weights
+from acl_jax import host
 from acl_jax import parallel
+from acl_jax import run_dir
 from acl_jax import train
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -32,27 +38,35 @@ _COMPILATION_CACHE = flags.DEFINE_string(
     "Persistent XLA compilation cache: a directory, 'none', or 'auto' ($JAX_COMPILATION_CACHE_DIR,"
     " else <$ACL_JAX_CACHE or ~/.cache/acl_jax>/xla/<CPU fingerprint>). Later runs of the same "
     "programs (a grid's seeds, a resumed run) load them instead of compiling.")
+_VERBOSE = flags.DEFINE_bool(
+    "verbose", False, "Also print library log lines (orbax, absl) on the console; they always "
+    "go to <workdir>/run.log.")
 flags.mark_flags_as_required(["workdir"])
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
+  # INFO records reach <workdir>/run.log; the console shows warnings and errors only.
   logging.set_verbosity(logging.INFO)
-  cache = train.enable_compilation_cache(_COMPILATION_CACHE.value)
+  logging.get_absl_handler().setLevel(std_logging.INFO if _VERBOSE.value else std_logging.WARNING)
+  cache = host.enable_compilation_cache(_COMPILATION_CACHE.value)
   logging.info("compilation cache: %s", cache or "off")
   if _MODE.value == "train":
     if _CONFIG.value is None:
       raise app.UsageError("--mode=train needs --config, e.g. --config=configs/glue.py:rte")
+    config_lib.validate(_CONFIG.value)  # --config.<field> overrides, before loading anything
     parallel.initialize_distributed()  # multi-host: joins the job; else a no-op
     train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
-  elif _MODE.value == "early_exit":
-    # The run directory's config.json says what was trained; --config is not needed.
-    early_exit.run_on_workdir(_WORKDIR.value, which=_PARAMS.value,
-                              max_examples=_MAX_EXAMPLES.value, log=logging.info)
-  elif _MODE.value == "export":
-    out = checkpoints.export_hf(train.load_trained_run(_WORKDIR.value, which=_PARAMS.value))
-    logging.info("Wrote %s", out)
+    return
+  # The run directory's config.json says what was trained; --config is not needed.
+  with run_dir.logging_to(run_dir.resolve(_WORKDIR.value)):
+    if _MODE.value == "early_exit":
+      early_exit.run_on_workdir(_WORKDIR.value, which=_PARAMS.value,
+                                max_examples=_MAX_EXAMPLES.value, log=print)
+    elif _MODE.value == "export":
+      run = run_dir.load_trained_run(_WORKDIR.value, which=_PARAMS.value)
+      print(f"Wrote {hf_weights.export_hf(run, run.workdir / run_dir.EXPORT_DIR)}")
 
 
 if __name__ == "__main__":

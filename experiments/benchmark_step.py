@@ -17,7 +17,6 @@ import gc
 import json
 import os
 import pathlib
-import platform
 import resource
 import statistics
 import sys
@@ -28,17 +27,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# configs/ and experiments/ are not installed packages; both live at the repository root.
-REPO = pathlib.Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-  sys.path.insert(0, str(REPO))
-
-from acl_jax import checkpoints  # noqa: E402
-from acl_jax import data  # noqa: E402
-from acl_jax import train  # noqa: E402
-from acl_jax.models import bert  # noqa: E402
-from acl_jax.models import multi_exit  # noqa: E402
-from configs import glue  # noqa: E402
+from acl_jax import config as config_lib
+from acl_jax import data
+from acl_jax import hf_weights
+from acl_jax import host
+from acl_jax import losses
+from acl_jax import objectives
+from acl_jax import optim
+from acl_jax.models import bert
+from acl_jax.models import multi_exit
 
 # Architecture only; random init, dropout 0.1 as in fine-tuning. "tiny" is for smoke tests.
 SHAPES = {
@@ -50,7 +47,7 @@ SHAPES = {
                  intermediate_size=256),
 }
 VOCAB_SIZE = 30522
-SINGLE_EXIT_OBJECTIVES = tuple(name for name, o in train.OBJECTIVES.items()
+SINGLE_EXIT_OBJECTIVES = tuple(name for name, o in objectives.OBJECTIVES.items()
                                if not o.multi_exit_only and name != "deebert")
 # Multi-exit rows (JAX): a MultiExitBert with an exit after every layer, asc exit weights;
 # name: (train objective, gate granularity).
@@ -110,17 +107,6 @@ def make_batch(rng: np.random.Generator, batch_size: int, seq_len: int) -> dict[
           "mask": np.ones((batch_size,), np.float32)}
 
 
-def _host_cpu() -> str:
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or platform.machine()
-
-
 def _reset_peak_rss() -> bool:
   """Resets the process's resident-set high-water mark (Linux >= 4.0), so that each
   configuration reports its own peak instead of the largest one run before it."""
@@ -168,7 +154,7 @@ class Prepared(NamedTuple):
 
 
 def prepare_jax(shape: str, objective: str, batch_np, args, config) -> Prepared:
-  """Compiles train.make_train_step as train.py does (jit, state donated) and warms it up."""
+  """Compiles objectives.make_train_step as train.py does (jit, state donated) and warms it up."""
   model_config = bert_config(shape)
   multi = objective in MULTI_EXIT_OBJECTIVES
   objective, gate = MULTI_EXIT_OBJECTIVES.get(objective, (objective, "per_exit"))
@@ -181,17 +167,19 @@ def prepare_jax(shape: str, objective: str, batch_np, args, config) -> Prepared:
   dummy = jnp.zeros((1, 8), jnp.int32)
   params = jax.jit(model.init)(jax.random.key(0), dummy, dummy, dummy)["params"]
   if args.pretrained_minilm and shape == "minilm":
-    ckpt = checkpoints.preset_dir(checkpoints.MINILM)
+    ckpt = hf_weights.preset_dir(hf_weights.MINILM)
     params["bert"] = jax.tree.map(
-        jnp.asarray, checkpoints.load_bert_params(ckpt, checkpoints.load_config(ckpt)))
-  tx, schedule = train.create_optimizer(config, total_steps=1 + args.warmup + 2 * args.steps)
-  state = train.TrainState(step=jnp.zeros((), jnp.int32), params=params,
+        jnp.asarray, hf_weights.load_bert_params(ckpt, hf_weights.load_config(ckpt)))
+  tx, schedule = optim.create_optimizer(config, total_steps=1 + args.warmup + 2 * args.steps)
+  state = optim.TrainState(step=jnp.zeros((), jnp.int32), params=params,
                            opt_state=tx.init(params))
   del params
-  train_step = jax.jit(train.make_train_step(
-      model, tx, schedule, data.get_task("rte"), objective=objective, aux_weight=AUX_WEIGHT,
-      temperature=TEMPERATURE, exit_weights=weights, gate_granularity=gate,
-      gate_chunk=args.gate_chunk), donate_argnums=0)
+  step_config = config.copy_and_resolve_references()
+  step_config.update(objective=objective, aux_weight=AUX_WEIGHT, temperature=TEMPERATURE,
+                     gate_granularity=gate, gate_chunk=args.gate_chunk)
+  train_step = jax.jit(objectives.make_train_step(
+      model, tx, schedule, data.get_task("rte"), step_config,
+      objectives.Stage("train", objective, weights)), donate_argnums=0)
   # On the device once: the step is timed, not the host-to-device copy of the batch.
   batch = jax.device_put(batch_np)
   rng = jax.random.key(1)
@@ -221,7 +209,7 @@ def prepare_jax(shape: str, objective: str, batch_np, args, config) -> Prepared:
            "device_kind": device.device_kind, "compile_s": compile_s,
            **xla_memory_mib(compiled), "last_loss": float(metrics["loss"]),
            "kept": float(np.mean(metrics["kept"])) if "kept" in metrics else None,
-           "exits": train.num_exits(model), "gate_chunk": args.gate_chunk if multi else None}
+           "exits": objectives.num_exits(model), "gate_chunk": args.gate_chunk if multi else None}
     stats = device.memory_stats() if jax.default_backend() != "cpu" else None
     if stats and "peak_bytes_in_use" in stats:
       # The allocator's peak since the process started (it cannot be reset), so it is an
@@ -287,13 +275,13 @@ def prepare_pytorch(shape: str, objective: str, batch_np, args, config) -> Prepa
   one forward, their float32 dot, and the drop gate. Warmed up."""
   import torch  # pylint: disable=import-outside-toplevel
   import transformers  # pylint: disable=import-outside-toplevel
-  from experiments import hf_pytorch_glue  # pylint: disable=import-outside-toplevel
+  import hf_pytorch_glue  # pylint: disable=import-outside-toplevel  (torch: only when asked)
 
   device = torch.device(args.torch_device)
   torch.manual_seed(0)
   if args.pretrained_minilm and shape == "minilm":
     model = transformers.BertForSequenceClassification.from_pretrained(
-        str(checkpoints.preset_dir(checkpoints.MINILM)), num_labels=2)
+        str(hf_weights.preset_dir(hf_weights.MINILM)), num_labels=2)
   else:
     model = transformers.BertForSequenceClassification(transformers.BertConfig(
         vocab_size=VOCAB_SIZE, num_labels=2, **SHAPES[shape]))
@@ -358,7 +346,7 @@ def prepare_pytorch(shape: str, objective: str, batch_np, args, config) -> Prepa
   def describe():
     row = {"framework": "pytorch", "backend": device.type,
            "device_kind": (torch.cuda.get_device_name(device) if device.type == "cuda"
-                           else _host_cpu()),
+                           else host.cpu_model()),
            "compile_s": first_s,  # eager: the first step's one-off costs, no compilation
            "threads": torch.get_num_threads(),
            "attn_implementation": model.config._attn_implementation,
@@ -466,12 +454,12 @@ def parse_args(argv=None):
 
 def main(argv=None) -> list[dict]:
   args = parse_args(argv)
-  config = glue.get_config("rte")  # the trainer's optimizer settings, for both frameworks
+  config = config_lib.get_config("rte")  # the trainer's optimizer settings, for both frameworks
   batch_np = make_batch(np.random.default_rng(args.seed), args.batch_size, args.seq_len)
-  meta = train.run_metadata()
+  meta = host.run_metadata()
   common = {"batch": args.batch_size, "seq_len": args.seq_len, "warmup": args.warmup,
-            "steps": args.steps, "host_cpu": _host_cpu(),
-            "cpus_usable": len(os.sched_getaffinity(0)), "git_commit": meta["git_commit"],
+            "steps": args.steps, "host_cpu": host.cpu_model(),
+            "cpus_usable": host.cpus_usable(), "git_commit": meta["git_commit"],
             "python": meta["python"]}
   versions = {"jax": {k: meta["versions"][k] for k in ("jax", "jaxlib", "flax", "optax")}}
   if "pytorch" in args.frameworks:

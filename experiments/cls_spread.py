@@ -14,7 +14,8 @@ import numpy as np
 import torch
 import transformers
 
-from acl_jax import checkpoints, data
+from acl_jax import data
+from acl_jax import hf_weights
 
 
 def spread(vectors: np.ndarray) -> float:
@@ -28,8 +29,8 @@ def main():
   parser.add_argument("--task", default="mrpc")
   parser.add_argument("--examples", type=int, default=64)
   args = parser.parse_args()
-  ckpt_dir = checkpoints.resolve(args.model)
-  tokenizer = checkpoints.load_tokenizer(ckpt_dir)
+  ckpt_dir = hf_weights.resolve(args.model)
+  tokenizer = hf_weights.load_tokenizer(ckpt_dir)
   model = transformers.BertModel.from_pretrained(str(ckpt_dir)).eval()
   examples = data.load_split(args.task, "validation")
   n = args.examples

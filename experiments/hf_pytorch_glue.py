@@ -25,6 +25,8 @@ import torch
 import transformers
 from tqdm import tqdm
 
+from acl_jax import host
+
 _T0 = time.perf_counter()
 
 # name: (directory, header?, text_a column, text_b column or None, label column, label list)
@@ -121,20 +123,9 @@ def decay_groups(model: torch.nn.Module, weight_decay: float):
 
 
 def host_info(device: torch.device) -> dict:
-  cpu = platform.processor()
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          cpu = line.split(":", 1)[1].strip()
-          break
-  except OSError:
-    pass
   info = {"platform": platform.platform(), "python": platform.python_version(),
-          "node": platform.node(), "cpu": cpu, "cpu_count": os.cpu_count(),
-          "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                         else os.cpu_count(),
-          "device": str(device)}
+          "node": platform.node(), "cpu": host.cpu_model(), "cpu_count": os.cpu_count(),
+          "cpus_usable": host.cpus_usable(), "device": str(device)}
   if device.type == "cuda":
     info["gpu"] = torch.cuda.get_device_name(device)
   return info
@@ -173,8 +164,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
   args = parse_args(argv)
-  threads = args.threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                             else os.cpu_count())
+  threads = args.threads or host.cpus_usable()
   torch.set_num_threads(threads)
   device = torch.device(("cuda" if torch.cuda.is_available() else "cpu")
                         if args.device == "auto" else args.device)

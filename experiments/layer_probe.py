@@ -21,7 +21,9 @@ import numpy as np
 import torch
 import transformers
 
-from acl_jax import checkpoints, data, metrics
+from acl_jax import data
+from acl_jax import hf_weights
+from acl_jax import metrics
 
 POOLINGS = ("cls", "mean")
 RIDGES = (1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0)
@@ -98,8 +100,8 @@ def main():
   task = data.get_task(args.task)
   if task.num_labels == 1:
     raise SystemExit(f"--task {args.task}: a regression task; the probe classifies")
-  ckpt_dir = checkpoints.resolve(args.model)
-  tokenizer = checkpoints.load_tokenizer(ckpt_dir)
+  ckpt_dir = hf_weights.resolve(args.model)
+  tokenizer = hf_weights.load_tokenizer(ckpt_dir)
   model = transformers.BertModel.from_pretrained(str(ckpt_dir)).eval()
   train = data.load_split(task, "train")
   if args.train_examples is not None:

@@ -1,6 +1,6 @@
 """Pilot experiment: how often do the CE and contrastive gradients conflict?
 
-The paper's claim (METHOD.md section 1): on RTE the angle between the CE gradient and the SCL
+The paper's claim (docs/method.md, "Claims"): on RTE the angle between the CE gradient and the SCL
 gradient ranges about 75-105 degrees and exceeds 90 degrees in roughly 20% of mini-batches.
 This trains with each auxiliary objective while logging, every step, the cosine between the
 two gradient pytrees (config.measure_conflict: the same single-vjp computation ACL-Grad uses,
@@ -19,23 +19,20 @@ import sys
 
 import numpy as np
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
-
-from configs import glue  # noqa: E402  (configs/ is not an installed package)
+from acl_jax import config as config_lib
+from acl_jax import train
 
 PAPER_CLAIM = "angles about 75-105 degrees; above 90 degrees in roughly 20% of mini-batches"
 
 
 def run(objective: str, args) -> pathlib.Path:
-  from acl_jax import train
   workdir = args.workdir / f"{args.task}_{objective}_s{args.seed}"
   if (workdir / "eval_results.json").exists():
     return workdir
   preset = f"{args.task},model={args.model},objective={objective},seed={args.seed}"
   if args.max_steps:
     preset += f",max_steps={args.max_steps}"
-  config = glue.get_config(preset)
+  config = config_lib.get_config(preset)
   config.measure_conflict = True
   config.log_every = 1  # one metrics line per batch: the histogram is per mini-batch
   train.train_and_evaluate(config, str(workdir))
@@ -100,7 +97,7 @@ def main():
   parser.add_argument("--max_steps", type=int, default=0)
   parser.add_argument("--workdir", type=pathlib.Path, default=pathlib.Path("runs/pilot"))
   parser.add_argument("--out", type=pathlib.Path,
-                      default=REPO_ROOT / "experiments/results/pilot_gradient_angle")
+                      default=pathlib.Path(__file__).parent / "results/pilot_gradient_angle")
   args = parser.parse_args()
 
   results, summary = {}, {"paper_claim": PAPER_CLAIM, "command": " ".join(sys.argv)}

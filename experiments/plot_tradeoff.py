@@ -12,12 +12,8 @@ circles: measured at batch size 1. Labels default to each run's objective.
 import argparse
 import json
 import pathlib
-import sys
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
-
-from acl_jax import early_exit  # noqa: E402
+from acl_jax import early_exit
 
 
 def main(argv=None):

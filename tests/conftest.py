@@ -67,20 +67,29 @@ def tiny_bert_dir(tmp_path_factory, minilm_dir) -> pathlib.Path:
 def rte_train_batches(ckpt_dir, glue_dir, cache_dir, *, count: int, seed: int,
                       batch_size: int = 12, max_length: int = 64) -> list[dict]:
   """The first `count` RTE training batches (model inputs, labels, mask) at one length."""
-  from acl_jax import checkpoints, data, train
+  from acl_jax import data, hf_weights
   task = data.get_task("rte")
-  encoded = data.load_encoded(task, "train", checkpoints.load_tokenizer(ckpt_dir),
+  encoded = data.load_encoded(task, "train", hf_weights.load_tokenizer(ckpt_dir),
                               max_length=max_length, glue_dir=glue_dir, cache_dir=cache_dir)
   batches = data.train_batches(encoded, batch_size=batch_size, boundaries=(max_length,),
                                seed=seed, epoch=0)
-  return [{k: b[k] for k in (*train.MODEL_INPUTS, "labels", "mask")}
+  return [{k: b[k] for k in (*data.MODEL_INPUTS, "labels", "mask")}
           for _, b in zip(range(count), batches)]
 
 
+def step_config(preset: str = "rte", **fields):
+  """The config a train step reads (acl_jax.config's defaults for `preset`), with `fields`."""
+  from acl_jax import config as config_lib
+  config = config_lib.get_config(preset)
+  for key, value in fields.items():
+    config[key] = value
+  return config
+
+
 def tiny_run_config(model_dir, glue_dir, preset: str = "rte", **overrides):
-  """configs/glue.py:<preset>,model=<model_dir>, shrunk to run in seconds on a tiny model."""
-  from configs import glue
-  config = glue.get_config(f"{preset},model={model_dir}")
+  """acl_jax.config's <preset>,model=<model_dir>, shrunk to run in seconds on a tiny model."""
+  from acl_jax import config as config_lib
+  config = config_lib.get_config(f"{preset},model={model_dir}")
   config.log_every = 2
   config.batch_size = 8
   config.eval_batch_size = 32

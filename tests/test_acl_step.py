@@ -12,13 +12,15 @@ import numpy as np
 import optax
 import pytest
 
-from acl_jax import checkpoints
+from acl_jax import config as config_lib
 from acl_jax import data
+from acl_jax import hf_weights
 from acl_jax import losses
+from acl_jax import objectives
+from acl_jax import optim
 from acl_jax import train
 from acl_jax.models import bert
-from configs import glue
-from conftest import rte_train_batches, tiny_run_config
+from conftest import rte_train_batches, step_config, tiny_run_config
 
 TEMPERATURE, LAMBDA = 0.3, 0.5
 
@@ -28,7 +30,7 @@ def setup(tiny_bert_dir, glue_dir, tmp_path_factory):
   task = data.get_task("rte")
   batches = rte_train_batches(tiny_bert_dir, glue_dir, tmp_path_factory.mktemp("cache"), count=6,
                               seed=0)
-  model = bert.BertForSequenceClassification(config=checkpoints.load_config(tiny_bert_dir),
+  model = bert.BertForSequenceClassification(config=hf_weights.load_config(tiny_bert_dir),
                                              num_labels=2)
   params = model.init(jax.random.key(0), *(jnp.zeros((1, 8), jnp.int32),) * 3)["params"]
   # Plain SGD with lr 1: the update is the gradient itself, so the comparison sees its scale
@@ -40,7 +42,7 @@ def setup(tiny_bert_dir, glue_dir, tmp_path_factory):
 def _reference_grads(model, params, batch, dropout_rng):
   """CE's and lambda * ACL-Embed's gradients from two separate jax.grad calls."""
   def forward(p):
-    return model.apply({"params": p}, *(batch[k] for k in train.MODEL_INPUTS),
+    return model.apply({"params": p}, *(batch[k] for k in data.MODEL_INPUTS),
                        deterministic=False, rngs={"dropout": dropout_rng})
 
   def ce_loss(p):
@@ -76,11 +78,11 @@ def reference_update(model, params, batch, dropout_rng, tx, opt_state, *, mode):
 @pytest.mark.parametrize("objective,mode", [("acl", "drop"), ("acl_project", "project")])
 def test_gated_update_equals_two_separate_grads(setup, objective, mode):
   task, model, params, batches, tx, schedule = setup
-  step = jax.jit(train.make_train_step(model, tx, schedule, task, objective=objective,
-                                       aux_weight=LAMBDA, temperature=TEMPERATURE))
+  config = step_config(objective=objective, aux_weight=LAMBDA, temperature=TEMPERATURE)
+  step = jax.jit(objectives.make_train_step(model, tx, schedule, task, config))
   seen = set()
   for i, batch in enumerate(batches):
-    state = train.TrainState(step=jnp.asarray(i, jnp.int32), params=params,
+    state = optim.TrainState(step=jnp.asarray(i, jnp.int32), params=params,
                              opt_state=tx.init(params))
     rng = jax.random.key(100 + i)
     new_state, metrics = step(state, batch, rng)
@@ -104,21 +106,21 @@ def test_ungated_objective_is_the_plain_sum(setup):
   """acl_embed and scl take one backward pass of the summed loss; SCL mixes (1-l) CE + l SCL."""
   task, model, params, batches, tx, schedule = setup
   batch, rng = batches[0], jax.random.key(7)
-  state = train.TrainState(step=jnp.zeros((), jnp.int32), params=params,
+  state = optim.TrainState(step=jnp.zeros((), jnp.int32), params=params,
                            opt_state=tx.init(params))
-  got, metrics = jax.jit(train.make_train_step(model, tx, schedule, task, objective="acl_embed",
-                                               aux_weight=LAMBDA, temperature=TEMPERATURE))(
-                                                   state, batch, rng)
+  config = step_config(objective="acl_embed", aux_weight=LAMBDA, temperature=TEMPERATURE)
+  got, metrics = jax.jit(objectives.make_train_step(model, tx, schedule, task, config))(
+      state, batch, rng)
   expected, _ = reference_update(model, params, batch, jax.random.fold_in(rng, 0), tx,
                                  tx.init(params), mode="none")
   for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(expected)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
   assert "kept" not in metrics and "aux" in metrics
 
-  got, metrics = jax.jit(train.make_train_step(model, tx, schedule, task, objective="scl",
-                                               aux_weight=0.3, temperature=TEMPERATURE))(
-                                                   state, batch, rng)
-  out = model.apply({"params": params}, *(batch[k] for k in train.MODEL_INPUTS),
+  config = step_config(objective="scl", aux_weight=0.3, temperature=TEMPERATURE)
+  got, metrics = jax.jit(objectives.make_train_step(model, tx, schedule, task, config))(
+      state, batch, rng)
+  out = model.apply({"params": params}, *(batch[k] for k in data.MODEL_INPUTS),
                     deterministic=False, rngs={"dropout": jax.random.fold_in(rng, 0)})
   ce = losses.cross_entropy(out["logits"], batch["labels"], mask=batch["mask"])
   scl = losses.scl(out["pooled"], batch["labels"], temperature=TEMPERATURE, mask=batch["mask"])
@@ -127,11 +129,11 @@ def test_ungated_objective_is_the_plain_sum(setup):
 
 def test_measure_conflict_logs_cosine_without_changing_the_update(setup):
   task, model, params, batches, tx, schedule = setup
-  state = train.TrainState(step=jnp.zeros((), jnp.int32), params=params,
+  state = optim.TrainState(step=jnp.zeros((), jnp.int32), params=params,
                            opt_state=tx.init(params))
-  make = lambda **kw: jax.jit(train.make_train_step(model, tx, schedule, task, objective="scl",
-                                                    aux_weight=LAMBDA,
-                                                    temperature=TEMPERATURE, **kw))
+  make = lambda **kw: jax.jit(objectives.make_train_step(
+      model, tx, schedule, task,
+      step_config(objective="scl", aux_weight=LAMBDA, temperature=TEMPERATURE, **kw)))
   plain, _ = make()(state, batches[1], jax.random.key(3))
   measured, metrics = make(measure_conflict=True)(state, batches[1], jax.random.key(3))
   assert -1.0 <= float(metrics["cosine"]) <= 1.0 and float(metrics["kept"]) == 1.0
@@ -151,7 +153,7 @@ def test_acl_run_logs_gate_terms(tiny_bert_dir, glue_dir, tmp_path):
 
 
 def test_contrastive_objective_on_regression_task_is_refused(tiny_bert_dir, glue_dir, tmp_path):
-  config = glue.get_config(f"stsb,model={tiny_bert_dir},objective=acl")
+  config = config_lib.get_config(f"stsb,model={tiny_bert_dir},objective=acl")
   config.data.glue_dir = str(glue_dir)
   with pytest.raises(ValueError, match=r"objective='acl'.*stsb.*regression.*objective=ce"):
     train.train_and_evaluate(config, str(tmp_path / "run"))

@@ -1,14 +1,10 @@
 """experiments/benchmark_step.py end to end on the tiny shape: rows, ratios, interleaving."""
 
 import json
-import sys
 
 import pytest
 
-from conftest import REPO_ROOT
-
-sys.path.insert(0, str(REPO_ROOT / "experiments"))
-import benchmark_step  # noqa: E402  (experiments/ is not a package)
+import benchmark_step
 
 
 @pytest.mark.parametrize("interleave", [True, False])

@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from acl_jax import checkpoints
+from acl_jax import hf_weights
 from acl_jax.models import bert
 from conftest import write_tiny_bert
 
@@ -19,7 +19,7 @@ PARITY_ATOL = 1e-4
 @pytest.fixture(scope="module")
 def batch(minilm_dir) -> dict[str, np.ndarray]:
   """Two sentence pairs and two single sentences, padded to the longest (so padding varies)."""
-  tokenizer = checkpoints.load_tokenizer(minilm_dir)
+  tokenizer = hf_weights.load_tokenizer(minilm_dir)
   pairs = tokenizer(["A man is playing a guitar.", "Hi"],
                     ["Someone plays music on a stage tonight.",
                      "Hello there, how are you doing on this fine day?"])
@@ -34,7 +34,7 @@ def batch(minilm_dir) -> dict[str, np.ndarray]:
 
 @pytest.fixture(scope="module")
 def minilm(minilm_dir):
-  return checkpoints.load_config(minilm_dir), checkpoints.load_bert_params(minilm_dir)
+  return hf_weights.load_config(minilm_dir), hf_weights.load_bert_params(minilm_dir)
 
 
 @pytest.fixture(scope="module")
@@ -71,13 +71,13 @@ def test_minilm_matches_hf_at_every_layer(minilm_dir, minilm_outputs, batch):
 @pytest.mark.parametrize("hidden_act", ["gelu", "gelu_new", "relu"])
 def test_tiny_prefixed_classifier_matches_hf(tmp_path, minilm_dir, batch, hidden_act):
   ckpt = write_tiny_bert(tmp_path, minilm_dir, prefix=True, num_labels=3, hidden_act=hidden_act)
-  tensors, _ = checkpoints.read_tensors(ckpt)
-  config = checkpoints.load_config(ckpt)
-  params = {"bert": checkpoints.hf_to_flax(tensors, config),
+  tensors, _ = hf_weights.read_tensors(ckpt)
+  config = hf_weights.load_config(ckpt)
+  params = {"bert": hf_weights.hf_to_flax(tensors, config),
             "classifier": {"kernel": tensors["classifier.weight"].T,
                            "bias": tensors["classifier.bias"]}}
   # The naming contract: our tree is HF's BertForSequenceClassification, tensor for tensor.
-  assert checkpoints.flax_to_hf(params).keys() == tensors.keys()
+  assert hf_weights.flax_to_hf(params).keys() == tensors.keys()
 
   model = bert.BertForSequenceClassification(config, num_labels=3)
   ours = model.apply({"params": params}, batch["input_ids"], batch["attention_mask"],
@@ -101,7 +101,7 @@ def test_init_tree_is_the_hf_tree():
   hf_config = transformers.BertConfig(**dataclasses.asdict(config), num_labels=1)
   hf_shapes = {k: tuple(v.shape) for k, v in
                transformers.BertForSequenceClassification(hf_config).state_dict().items()}
-  ours = {k: v.shape for k, v in checkpoints.flax_to_hf(params).items()}
+  ours = {k: v.shape for k, v in hf_weights.flax_to_hf(params).items()}
   assert ours == {k: v for k, v in hf_shapes.items() if not k.endswith("position_ids")}
 
 
@@ -123,7 +123,7 @@ def test_bfloat16_compute_keeps_float32_params(minilm, minilm_outputs, batch):
 
 
 def test_classifier_outputs_are_float32_under_bfloat16(tiny_bert_dir, batch):
-  config = checkpoints.load_config(tiny_bert_dir)
+  config = hf_weights.load_config(tiny_bert_dir)
   model = bert.BertForSequenceClassification(config, num_labels=1, dtype=jnp.bfloat16)
   variables = model.init(jax.random.key(0), batch["input_ids"])
   out = jax.jit(model.apply)(variables, batch["input_ids"], batch["attention_mask"])
@@ -133,9 +133,9 @@ def test_classifier_outputs_are_float32_under_bfloat16(tiny_bert_dir, batch):
 
 
 def test_dropout_only_when_not_deterministic(tiny_bert_dir, batch):
-  config = checkpoints.load_config(tiny_bert_dir)
+  config = hf_weights.load_config(tiny_bert_dir)
   model = bert.BertForSequenceClassification(config, num_labels=2)
-  params = {"bert": checkpoints.load_bert_params(tiny_bert_dir),
+  params = {"bert": hf_weights.load_bert_params(tiny_bert_dir),
             "classifier": {"kernel": np.ones((32, 2), np.float32), "bias": np.zeros(2, np.float32)}}
   args = (batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
 
@@ -168,9 +168,9 @@ def test_attention_bias_and_all_padding_rows(tiny_bert_dir, dtype):
   assert float(bias[0, 0, 0, 2]) < -1e30
 
   # Padded eval batches contain rows with no valid token: they must stay finite.
-  config = checkpoints.load_config(tiny_bert_dir)
+  config = hf_weights.load_config(tiny_bert_dir)
   ids = np.array([[101, 2023, 102], [0, 0, 0]])
-  params = checkpoints.load_bert_params(tiny_bert_dir)
+  params = hf_weights.load_bert_params(tiny_bert_dir)
   out = bert.BertModel(config, dtype=dtype).apply({"params": params}, ids,
                                                   np.array([[1, 1, 1], [0, 0, 0]]))
   assert all(np.isfinite(np.asarray(h, np.float32)).all() for h in out["hidden_states"])
@@ -191,8 +191,8 @@ def test_config_from_dict(minilm_dir):
 
 
 def test_sequences_longer_than_the_position_table_are_refused(tiny_bert_dir):
-  config = checkpoints.load_config(tiny_bert_dir)
-  params = checkpoints.load_bert_params(tiny_bert_dir)
+  config = hf_weights.load_config(tiny_bert_dir)
+  params = hf_weights.load_bert_params(tiny_bert_dir)
   ids = np.zeros((1, config.max_position_embeddings + 1), np.int32)
   with pytest.raises(ValueError, match="exceeds max_position_embeddings=128"):
     bert.BertModel(config).apply({"params": params}, ids)

@@ -10,8 +10,7 @@ import numpy as np
 
 from conftest import REPO_ROOT
 
-sys.path.insert(0, str(REPO_ROOT / "experiments"))
-import cls_spread  # noqa: E402  (experiments/ is not a package)
+import cls_spread
 
 
 def test_spread_is_zero_for_identical_vectors_and_scale_free():

@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from acl_jax import checkpoints
 from acl_jax import data
 from acl_jax import early_exit
+from acl_jax import hf_weights
 from acl_jax import train
 from acl_jax.models import multi_exit
 from conftest import tiny_run_config, write_tiny_bert
@@ -79,7 +79,7 @@ def test_regression_patience_uses_the_change_between_exits():
 
 
 def reference_exit(policy, logits):
-  """Per-example loop, written from METHOD.md section 6 without the library's state machine."""
+  """Per-example loop, written from docs/method.md ("Early exit") without the library's state machine."""
   probs = np.exp(logits - logits.max(-1, keepdims=True))
   probs /= probs.sum(-1, keepdims=True)
   ent = -(probs * np.log(np.maximum(probs, 1e-30))).sum(-1)
@@ -123,15 +123,15 @@ def trained_like(tmp_path_factory, minilm_dir, glue_dir):
   """A 4-layer random multi-exit BERT whose exits disagree and are confident to varying
   degrees (scaled classifiers), with the first RTE dev examples."""
   path = write_tiny_bert(tmp_path_factory.mktemp("ee_bert"), minilm_dir, num_hidden_layers=4)
-  bert_config = checkpoints.load_config(path)
+  bert_config = hf_weights.load_config(path)
   model = multi_exit.MultiExitBert(config=bert_config, num_labels=2)
   dummy = jnp.zeros((1, 8), jnp.int32)
   params = model.init(jax.random.key(0), dummy, dummy, dummy)["params"]
-  params["bert"] = jax.tree.map(jnp.asarray, checkpoints.load_bert_params(path, bert_config))
+  params["bert"] = jax.tree.map(jnp.asarray, hf_weights.load_bert_params(path, bert_config))
   for i, layer in enumerate(model.resolved_exit_layers()):
     kernel = params[f"exit_{layer}"]["classifier"]["kernel"]
     params[f"exit_{layer}"]["classifier"]["kernel"] = kernel * (20.0 * 2 ** i)
-  tokenizer = checkpoints.load_tokenizer(path)
+  tokenizer = hf_weights.load_tokenizer(path)
   dev = data.load_encoded("rte", "validation", tokenizer, max_length=64, glue_dir=glue_dir,
                           cache_dir=tmp_path_factory.mktemp("cache"))
   return model, params, dev
@@ -146,23 +146,23 @@ POLICIES = [early_exit.Policy("entropy", 0.2), early_exit.Policy("entropy", 0.5)
 EXITS_AND_POOLING = [(None, "cls"), ((2, 4), "cls"), (None, "mean")]
 
 
-def _pooled_by(model, params, exit_pooling):
-  """The trained-like model with exits that pool `exit_pooling`. In this random model the
+def _pooled_by(model, params, pooler_input):
+  """The trained-like model with exits that pool `pooler_input`. In this random model the
   token mean varies less across examples than [CLS] does, so mean-pooled exits get 10x
   sharper classifiers: without them every policy exits at the same layer or two."""
-  if exit_pooling == "cls":
+  if pooler_input == "cls":
     return model, params
   params = {name: ({**sub, "classifier": {**sub["classifier"],
                                           "kernel": sub["classifier"]["kernel"] * 10.0}}
                    if name.startswith("exit_") else sub) for name, sub in params.items()}
-  return model.clone(exit_pooling=exit_pooling), params
+  return model.clone(pooler_input=pooler_input), params
 
 
-@pytest.mark.parametrize("exit_layers, exit_pooling", EXITS_AND_POOLING)
+@pytest.mark.parametrize("exit_layers, pooler_input", EXITS_AND_POOLING)
 def test_real_early_exit_matches_counted_mode_and_skips_layers(trained_like, exit_layers,
-                                                               exit_pooling):
+                                                               pooler_input):
   model, params, dev = trained_like
-  model, params = _pooled_by(model, params, exit_pooling)  # mean: padded batch-1 inputs need the mask
+  model, params = _pooled_by(model, params, pooler_input)  # mean: padded batch-1 inputs need the mask
   if exit_layers:  # layers 1 and 3 run without an exit head
     model = model.clone(exit_layers=exit_layers)
     params = {k: v for k, v in params.items() if k not in ("exit_1", "exit_3")}
@@ -189,11 +189,11 @@ def test_real_early_exit_matches_counted_mode_and_skips_layers(trained_like, exi
   assert len(exits_seen) >= (2 if exit_layers else 3)
 
 
-@pytest.mark.parametrize("exit_layers, exit_pooling", EXITS_AND_POOLING)
+@pytest.mark.parametrize("exit_layers, pooler_input", EXITS_AND_POOLING)
 def test_compiled_runner_matches_counted_mode_and_skips_layers(trained_like, exit_layers,
-                                                               exit_pooling):
+                                                               pooler_input):
   model, params, dev = trained_like
-  model, params = _pooled_by(model, params, exit_pooling)  # mean: padded batch-1 inputs need the mask
+  model, params = _pooled_by(model, params, pooler_input)  # mean: padded batch-1 inputs need the mask
   if exit_layers:
     model = model.clone(exit_layers=exit_layers)
     params = {k: v for k, v in params.items() if k not in ("exit_1", "exit_3")}
@@ -222,15 +222,15 @@ def test_compiled_runner_matches_counted_mode_and_skips_layers(trained_like, exi
   assert len(exits_seen) >= (2 if exit_layers else 3)
 
 
-@pytest.mark.parametrize("exit_pooling", multi_exit.EXIT_POOLINGS)
-def test_batched_server_path_matches_counted_mode(trained_like, exit_pooling):
+@pytest.mark.parametrize("pooler_input", multi_exit.POOLER_INPUTS)
+def test_batched_server_path_matches_counted_mode(trained_like, pooler_input):
   model, params, dev = trained_like
-  model, params = _pooled_by(model, params, exit_pooling)  # mean: compacted rows keep their own mask
+  model, params = _pooled_by(model, params, pooler_input)  # mean: compacted rows keep their own mask
   server = early_exit.BatchedEarlyExit(model, params)
   batches = list(data.eval_batches(dev, batch_size=16, boundaries=(32, 64)))[:3]
   for policy in POLICIES:
     for batch in batches:
-      inputs = [batch[k] for k in train.MODEL_INPUTS]
+      inputs = [batch[k] for k in data.MODEL_INPUTS]
       chosen, preds = early_exit.counted_exits(policy, model.apply({"params": params},
                                                                    *inputs)["logits"])
       got_preds, got_layers = server(policy, *inputs)

@@ -12,10 +12,10 @@ import transformers
 
 from conftest import REPO_ROOT
 
-sys.path.insert(0, str(REPO_ROOT / "experiments"))
-import layer_probe  # noqa: E402  (experiments/ is not a package)
+import layer_probe
 
-from acl_jax import checkpoints, data  # noqa: E402
+from acl_jax import data
+from acl_jax import hf_weights
 
 
 def test_ridge_matches_the_augmented_least_squares_solve():
@@ -50,7 +50,7 @@ def test_probe_is_scale_free_a_tiny_signal_on_a_large_constant_still_separates()
 
 def test_pooling_matches_each_example_alone(tiny_bert_dir, glue_dir, monkeypatch):
   monkeypatch.setenv("GLUE_DIR", str(glue_dir))
-  tokenizer = checkpoints.load_tokenizer(tiny_bert_dir)
+  tokenizer = hf_weights.load_tokenizer(tiny_bert_dir)
   model = transformers.BertModel.from_pretrained(str(tiny_bert_dir)).eval()
   examples = data.load_split("rte", "validation")
   n = 6

@@ -67,7 +67,7 @@ def test_mse_matches_numpy():
 
 
 # Contrastive losses and KD. The references below loop over anchors and positives in float64,
-# written from METHOD.md section 3, and share no code with acl_jax.losses.
+# written from docs/method.md ("Losses"), and share no code with acl_jax.losses.
 
 def np_supcon(vectors, labels, anchors, tau):
   """SupCon over a list of candidate vectors; `anchors` are indices into it."""

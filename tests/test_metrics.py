@@ -7,7 +7,8 @@ import pytest
 import scipy.stats
 import sklearn.metrics
 
-from acl_jax import data, metrics
+from acl_jax import data
+from acl_jax import metrics
 
 
 def _padded(rng, n, pad, *, kind):

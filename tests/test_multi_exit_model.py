@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from acl_jax import checkpoints
+from acl_jax import hf_weights
 from acl_jax.models import bert
 from acl_jax.models import multi_exit
 from acl_jax.models.multi_exit import MultiExitBert
@@ -18,7 +18,7 @@ NUM_LABELS = 3
 def tiny(tmp_path_factory, minilm_dir):
   """A random 3-layer, hidden-32 checkpoint: its config and pretrained BertModel params."""
   ckpt = write_tiny_bert(tmp_path_factory.mktemp("tiny3"), minilm_dir, num_hidden_layers=3)
-  return checkpoints.load_config(ckpt), checkpoints.load_bert_params(ckpt)
+  return hf_weights.load_config(ckpt), hf_weights.load_bert_params(ckpt)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +88,7 @@ def test_each_exit_is_the_shared_pooler_and_its_classifier_by_hand(tiny, batch):
 
 def test_per_exit_poolers_start_as_the_pretrained_pooler(tiny, batch):
   config, pretrained = tiny
-  model = MultiExitBert(config, NUM_LABELS, pooler="per_exit")
+  model = MultiExitBert(config, NUM_LABELS, pooler_weights="per_exit")
   params = _init(model, pretrained)
   assert {name for name in params if name.startswith("exit_")} == {"exit_1", "exit_2", "exit_3"}
   assert not np.allclose(params["exit_1"]["pooler"]["dense"]["kernel"],
@@ -151,16 +151,16 @@ def test_invalid_exit_layers_are_refused_at_construction(tiny, exit_layers, mess
 
 
 def test_unknown_pooler_is_refused(tiny):
-  with pytest.raises(ValueError, match=r"pooler='own'.*'shared', 'per_exit'"):
-    MultiExitBert(tiny[0], NUM_LABELS, pooler="own")
+  with pytest.raises(ValueError, match=r"pooler_weights='own'.*'shared', 'per_exit'"):
+    MultiExitBert(tiny[0], NUM_LABELS, pooler_weights="own")
 
 
-@pytest.mark.parametrize("pooler, exit_pooling", [("shared", "cls"), ("per_exit", "cls"),
+@pytest.mark.parametrize("pooler, pooler_input", [("shared", "cls"), ("per_exit", "cls"),
                                                    ("shared", "mean")])
-def test_layer_by_layer_equals_the_full_forward(tiny, batch, pooler, exit_pooling):
+def test_layer_by_layer_equals_the_full_forward(tiny, batch, pooler, pooler_input):
   config, pretrained = tiny
-  model = MultiExitBert(config, NUM_LABELS, exit_layers=(1, 3), pooler=pooler,
-                        exit_pooling=exit_pooling)
+  model = MultiExitBert(config, NUM_LABELS, exit_layers=(1, 3), pooler_weights=pooler,
+                        pooler_input=pooler_input)
   params = _init(model, pretrained)
   if pooler == "per_exit":
     params = multi_exit.init_per_exit_poolers(params)
@@ -244,10 +244,10 @@ def _np_mean_pool(params, hidden, mask) -> np.ndarray:
   return np.tanh(mean @ params["dense"]["kernel"] + params["dense"]["bias"])
 
 
-@pytest.mark.parametrize("pooler", multi_exit.POOLERS)
+@pytest.mark.parametrize("pooler", multi_exit.POOLER_WEIGHTS)
 def test_mean_pooled_exits_by_hand(tiny, batch, pooler):
   config, pretrained = tiny
-  model = MultiExitBert(config, NUM_LABELS, pooler=pooler, exit_pooling="mean")
+  model = MultiExitBert(config, NUM_LABELS, pooler_weights=pooler, pooler_input="mean")
   params = _init(model, pretrained)
   if pooler == "per_exit":
     params = multi_exit.init_per_exit_poolers(params)
@@ -265,7 +265,7 @@ def test_mean_pooled_exits_by_hand(tiny, batch, pooler):
   # The all-padding row pools to tanh(bias), not NaN.
   assert np.all(np.isfinite(out["pooled"]))
   # Not the [CLS] exits: the mean reads other positions.
-  cls_out = model.clone(exit_pooling="cls").apply({"params": params}, *batch)
+  cls_out = model.clone(pooler_input="cls").apply({"params": params}, *batch)
   assert not np.allclose(out["pooled"][-1], cls_out["pooled"][-1], atol=1e-3)
 
 
@@ -273,7 +273,7 @@ def test_mean_pooled_exits_ignore_padding_tokens(tiny, batch):
   """Appending padding to every row leaves the mean-pooled exits unchanged (a mean that
   counted padded positions would move)."""
   config, pretrained = tiny
-  model = MultiExitBert(config, NUM_LABELS, exit_pooling="mean")
+  model = MultiExitBert(config, NUM_LABELS, pooler_input="mean")
   params = _init(model, pretrained)
   ids, mask, types = batch
   pad = lambda x: np.pad(x, ((0, 0), (0, 5)))
@@ -286,13 +286,13 @@ def test_mean_pooled_exits_ignore_padding_tokens(tiny, batch):
 def test_pooler_input_in_bfloat16_sums_in_float32():
   hidden = jnp.full((1, 300, 4), 1.01, jnp.bfloat16)
   mask = jnp.ones((1, 300), jnp.int32)
-  out = multi_exit.pooler_input(hidden, mask, "mean")
+  out = multi_exit.pooled_tokens(hidden, mask, "mean")
   assert out.shape == (1, 1, 4) and out.dtype == jnp.bfloat16
   # Summed in float32 and cast back once: the mean of equal values is that value.
   np.testing.assert_allclose(np.asarray(out, np.float32),
                              np.float32(jnp.asarray(1.01, jnp.bfloat16)), rtol=0, atol=1e-6)
-  assert multi_exit.pooler_input(hidden, mask, "cls") is hidden
-  with pytest.raises(ValueError, match=r"exit_pooling='max'.*\['cls', 'mean'\]"):
-    multi_exit.pooler_input(hidden, mask, "max")
-  with pytest.raises(ValueError, match=r"exit_pooling='max'.*\['cls', 'mean'\]"):
-    MultiExitBert(bert.BertConfig(), NUM_LABELS, exit_pooling="max")
+  assert multi_exit.pooled_tokens(hidden, mask, "cls") is hidden
+  with pytest.raises(ValueError, match=r"pooler_input='max'.*\['cls', 'mean'\]"):
+    multi_exit.pooled_tokens(hidden, mask, "max")
+  with pytest.raises(ValueError, match=r"pooler_input='max'.*\['cls', 'mean'\]"):
+    MultiExitBert(bert.BertConfig(), NUM_LABELS, pooler_input="max")

@@ -10,13 +10,16 @@ import numpy as np
 import optax
 import pytest
 
-from acl_jax import checkpoints
+from acl_jax import config as config_lib
 from acl_jax import data
+from acl_jax import hf_weights
 from acl_jax import losses
+from acl_jax import objectives
+from acl_jax import optim
+from acl_jax import run_dir
 from acl_jax import train
 from acl_jax.models import multi_exit
-from configs import glue
-from conftest import rte_train_batches, tiny_run_config, write_tiny_bert
+from conftest import rte_train_batches, step_config, tiny_run_config, write_tiny_bert
 
 TEMPERATURE, LAMBDA, MU = 0.3, 0.5, 0.7
 
@@ -27,7 +30,7 @@ def setup(minilm_dir, glue_dir, tmp_path_factory):
   task = data.get_task("rte")
   batches = rte_train_batches(ckpt, glue_dir, tmp_path_factory.mktemp("cache"), count=3,
                               seed=1)
-  model = multi_exit.MultiExitBert(config=checkpoints.load_config(ckpt), num_labels=2)
+  model = multi_exit.MultiExitBert(config=hf_weights.load_config(ckpt), num_labels=2)
   params = model.init(jax.random.key(0), *(jnp.zeros((1, 8), jnp.int32),) * 3)["params"]
   # Plain SGD with lr 1: the update is the gradient itself, so the comparison sees its scale
   # (Adam's first step would only see its sign).
@@ -38,7 +41,7 @@ def setup(minilm_dir, glue_dir, tmp_path_factory):
 
 def exit_terms(model, params, batch, rng, objective):
   """Per-exit CE and aux (lambda, mu included), written out exit by exit."""
-  out = model.apply({"params": params}, *(batch[k] for k in train.MODEL_INPUTS),
+  out = model.apply({"params": params}, *(batch[k] for k in data.MODEL_INPUTS),
                     deterministic=False, rngs={"dropout": rng})
   layers = model.resolved_exit_layers()
   emb = [params[f"exit_{e}"]["classifier"]["kernel"].T for e in layers]
@@ -93,11 +96,13 @@ def run_step(setup, batch_index, **kwargs):
   _, task, model, params, batches, tx, schedule, weights = setup
   key = (id(model), tuple(sorted(kwargs.items())))
   if key not in _STEPS:
-    _STEPS[key] = jax.jit(train.make_train_step(model, tx, schedule, task, aux_weight=LAMBDA,
-                                                temperature=TEMPERATURE, cl_weight=MU,
-                                                exit_weights=weights, **kwargs))
+    objective = kwargs.pop("objective")
+    config = step_config("rte,multi_exit", objective=objective, aux_weight=LAMBDA,
+                         temperature=TEMPERATURE, cl_weight=MU, **kwargs)
+    stage = objectives.Stage("train", objective, weights)
+    _STEPS[key] = jax.jit(objectives.make_train_step(model, tx, schedule, task, config, stage))
   step = _STEPS[key]
-  state = train.TrainState(step=jnp.asarray(batch_index, jnp.int32), params=params,
+  state = optim.TrainState(step=jnp.asarray(batch_index, jnp.int32), params=params,
                            opt_state=tx.init(params))
   rng = jax.random.key(50 + batch_index)
   new_state, metrics = step(state, batches[batch_index], rng)
@@ -162,14 +167,14 @@ def multi_exit_config(ckpt, glue_dir, preset):
 def test_deebert_second_stage_trains_only_the_shallow_exits(setup, glue_dir, tmp_path):
   ckpt, task, model, params, batches, tx, schedule, weights = setup
   config = multi_exit_config(ckpt, glue_dir, "objective=deebert,max_steps=2")
-  stages = train.stages_of(config, model)
+  stages = objectives.stages_of(config, model)
   assert [s.name for s in stages] == ["final_exit", "other_exits"]
   config.warmup_ratio = 0.0
-  frozen_tx, frozen_schedule = train.create_optimizer(config, 10, frozen=stages[1].frozen)
-  make_step = functools.partial(train.make_train_step, model, frozen_tx, frozen_schedule, task,
+  frozen_tx, frozen_schedule = optim.create_optimizer(config, 10, frozen=stages[1].frozen)
+  make_step = functools.partial(objectives.make_train_step, model, frozen_tx, frozen_schedule, task,
                                 objective="ce", exit_weights=stages[1].exit_weights)
   step = jax.jit(make_step(frozen=stages[1].frozen))
-  state = train.TrainState(step=jnp.asarray(3, jnp.int32), params=params,
+  state = optim.TrainState(step=jnp.asarray(3, jnp.int32), params=params,
                            opt_state=frozen_tx.init(params))
   new_state, metrics = step(state, batches[0], jax.random.key(0))
   # Nothing reads the frozen gradients, so XLA drops the backbone's backward pass: the step
@@ -214,7 +219,7 @@ def test_multi_exit_run_reports_every_exit_and_their_average(setup, glue_dir, tm
 
 
 def test_multi_exit_objectives_need_the_multi_exit_preset(tiny_bert_dir, glue_dir, tmp_path):
-  config = glue.get_config(f"rte,model={tiny_bert_dir},objective=kd")
+  config = config_lib.get_config(f"rte,model={tiny_bert_dir},objective=kd")
   with pytest.raises(ValueError, match="objective='kd' needs a multi-exit model"):
     train.train_and_evaluate(config, str(tmp_path / "run"))
 
@@ -222,41 +227,43 @@ def test_multi_exit_objectives_need_the_multi_exit_preset(tiny_bert_dir, glue_di
 def test_mean_pooled_exits_train_reload_resume_and_refuse_export(setup, glue_dir, tmp_path):
   ckpt = setup[0]
   workdir = tmp_path / "run"
-  config = multi_exit_config(ckpt, glue_dir, "objective=acl_cl,exit_pooling=mean,max_steps=2")
+  config = multi_exit_config(ckpt, glue_dir, "objective=acl_cl,pooler_input=mean,max_steps=2")
   results = train.train_and_evaluate(config, str(workdir))
   assert set(results["final"]["validation"]) >= {"exit1/accuracy", "avg/accuracy"}
-  run = train.load_trained_run(workdir)
-  assert run.model.exit_pooling == "mean"
+  run = run_dir.load_trained_run(workdir)
+  assert run.model.pooler_input == "mean"
   # The reloaded model pools the mean: its exits differ from the same params read at [CLS].
-  batch = next(iter(data.eval_batches(run.load_split("validation"), batch_size=8,
+  batch = next(iter(data.eval_batches(run.load_encoded("validation"), batch_size=8,
                                       boundaries=run.boundaries)))
-  inputs = [batch[k] for k in train.MODEL_INPUTS]
+  inputs = [batch[k] for k in data.MODEL_INPUTS]
   mean_logits = run.model.apply({"params": run.params}, *inputs)["logits"]
-  cls_logits = run.model.clone(exit_pooling="cls").apply({"params": run.params}, *inputs)["logits"]
+  cls_logits = run.model.clone(pooler_input="cls").apply({"params": run.params}, *inputs)["logits"]
   assert not np.allclose(mean_logits, cls_logits, atol=1e-4)
-  with pytest.raises(ValueError, match=r"exit_pooling='mean'.*BertForSequenceClassification"):
-    checkpoints.export_hf(run)
+  with pytest.raises(ValueError, match=r"pooler_input='mean'.*BertForSequenceClassification"):
+    hf_weights.export_hf(run, run.workdir / run_dir.EXPORT_DIR)
 
   # A config.json written before the field existed reads as [CLS] exits: such runs reload,
   # resume under a [CLS] config, and refuse a mean one.
   path = workdir / "config.json"
   saved = json.loads(path.read_text())
-  del saved["config"]["exit_pooling"]
+  del saved["config"]["pooler_input"]
   path.write_text(json.dumps(saved))
-  assert train.load_trained_run(workdir).model.exit_pooling == "cls"
-  with pytest.raises(ValueError, match=r"another config \(exit_pooling: 'cls' -> 'mean'\)"):
+  assert run_dir.load_trained_run(workdir).model.pooler_input == "cls"
+  with pytest.raises(ValueError, match=r"another config \(pooler_input: 'cls' -> 'mean'\)"):
     train.train_and_evaluate(config, str(workdir))
-  config.exit_pooling = "cls"
+  config.pooler_input = "cls"
   resumed = train.train_and_evaluate(config, str(workdir))
   assert resumed["checkpoints"]["resumed_from_step"] == 2
 
 
-@pytest.mark.parametrize("preset, message", [
-    ("multi_exit,exit_pooling=max", r"config\.exit_pooling='max'; valid: cls, mean"),
-    ("exit_pooling=mean", r"exit_pooling='mean' sets what multi-exit exits pool.*`multi_exit`"),
+@pytest.mark.parametrize("multi, pooler_input, message", [
+    (True, "max", r"config\.pooler_input='max'; valid: cls, mean"),
+    (False, "mean", r"pooler_input='mean' sets what multi-exit exits pool.*`multi_exit`"),
 ])
-def test_bad_exit_pooling_is_refused_before_loading(tiny_bert_dir, glue_dir, tmp_path, preset,
-                                                    message):
-  config = glue.get_config(f"rte,model={tiny_bert_dir},objective=ce,{preset}")
+def test_bad_pooler_input_is_refused_before_loading(tiny_bert_dir, glue_dir, tmp_path, multi,
+                                                    pooler_input, message):
+  config = tiny_run_config(tiny_bert_dir, glue_dir, "rte,objective=ce", multi_exit=multi,
+                           pooler_input=pooler_input)
   with pytest.raises(ValueError, match=message):
     train.train_and_evaluate(config, str(tmp_path / "run"))
+  assert not (tmp_path / "run").exists()  # refused before the workdir was touched

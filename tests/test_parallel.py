@@ -11,8 +11,9 @@ import jax
 import numpy as np
 import pytest
 
-from acl_jax import checkpointing
+from acl_jax import config as config_lib
 from acl_jax import parallel
+from acl_jax import run_dir
 from acl_jax import train
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -23,7 +24,6 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 _CHILD = r"""
 import json, pathlib, sys
 import jax, numpy as np
-from acl_jax import checkpointing, train
 from tests.conftest import tiny_run_config
 
 model_dir, glue_dir, tmp = sys.argv[1], sys.argv[2], pathlib.Path(sys.argv[3])
@@ -35,7 +35,7 @@ for name, devices, shard in (("one", 1, False), ("sharded", 8, True)):
                            shard_params=shard, batch_size=16, max_steps=4, log_every=1,
                            eval_every=4)
   results = train.train_and_evaluate(config, workdir)
-  params, _ = checkpointing.load_params(workdir)
+  params, _ = run_dir.load_params(workdir)
   np.savez(tmp / f"{name}.npz", **{"/".join(map(str, k)): np.asarray(v) for k, v in
                                    jax.tree_util.tree_flatten_with_path(params)[0]})
   rows = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
@@ -140,7 +140,6 @@ def test_two_hosts_run_the_same_command_and_train_like_one_device(tiny_bert_dir,
   pod would, and run the same CLI command: each feeds its own half of every batch, both take
   part in the checkpoint saves, process 0 alone writes the run files. The result equals a
   single-device run of the same config."""
-  from configs import glue
   preset = "objective=acl,max_steps=4,batch_size=16,max_length=64,eval_every=4"
   workdir = tmp_path / "two_hosts"
   command = [sys.executable, "-m", "acl_jax.main",
@@ -164,7 +163,7 @@ def test_two_hosts_run_the_same_command_and_train_like_one_device(tiny_bert_dir,
 
   meta = json.loads((workdir / "config.json").read_text())["meta"]
   assert meta["mesh"] == {"devices": 8, "processes": 2, "shard_params": False}
-  config = glue.get_config(f"rte,model={tiny_bert_dir},{preset}")
+  config = config_lib.get_config(f"rte,model={tiny_bert_dir},{preset}")
   config.log_every = 1
   config.data.glue_dir = str(glue_dir)
   reference = train.train_and_evaluate(config, tmp_path / "one_device")
@@ -179,8 +178,8 @@ def test_two_hosts_run_the_same_command_and_train_like_one_device(tiny_bert_dir,
   results = json.loads((workdir / "eval_results.json").read_text())
   assert results["final"]["validation"] == pytest.approx(reference["final"]["validation"],
                                                          abs=1e-9)
-  params, step = checkpointing.load_params(workdir)
-  ref_params, _ = checkpointing.load_params(tmp_path / "one_device")
+  params, step = run_dir.load_params(workdir)
+  ref_params, _ = run_dir.load_params(tmp_path / "one_device")
   assert step == 4
   for path, value in jax.tree_util.tree_flatten_with_path(ref_params)[0]:
     mine = params

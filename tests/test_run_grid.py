@@ -8,8 +8,7 @@ import pytest
 
 from conftest import REPO_ROOT
 
-sys.path.insert(0, str(REPO_ROOT / "experiments"))
-import run_grid  # noqa: E402  (experiments/ is not a package)
+import run_grid
 
 
 def test_core_groups_split_the_usable_cores():

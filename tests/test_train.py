@@ -8,9 +8,14 @@ import numpy as np
 import optax
 import pytest
 
+from acl_jax import config as config_lib
 from acl_jax import data
+from acl_jax import hf_weights
+from acl_jax import losses
+from acl_jax import metrics
+from acl_jax import objectives
+from acl_jax import optim
 from acl_jax import train
-from configs import glue
 from conftest import tiny_run_config
 
 
@@ -24,7 +29,7 @@ def test_decay_mask_spares_biases_and_layernorm():
                                     "LayerNorm": {"scale": 0, "bias": 0}},
                      "pooler": {"dense": {"kernel": 0, "bias": 0}}},
             "classifier": {"kernel": 0, "bias": 0}}
-  mask = train.decay_mask(params)
+  mask = optim.decay_mask(params)
   assert mask["bert"]["embeddings"]["word_embeddings"]["embedding"]
   assert not mask["bert"]["embeddings"]["LayerNorm"]["scale"]
   assert not mask["bert"]["embeddings"]["LayerNorm"]["bias"]
@@ -33,8 +38,8 @@ def test_decay_mask_spares_biases_and_layernorm():
 
 
 def test_schedule_is_linear_warmup_then_linear_decay():
-  config = glue.get_config("rte")
-  _, schedule = train.create_optimizer(config, total_steps=100)
+  config = config_lib.get_config("rte")
+  _, schedule = optim.create_optimizer(config, total_steps=100)
   lr = config.learning_rate
   # HF's get_linear_schedule_with_warmup, written out: warm-up over 10 steps, decay to 0 at 100.
   for step in (0, 3, 10, 55, 99, 100):
@@ -45,10 +50,10 @@ def test_schedule_is_linear_warmup_then_linear_decay():
 def test_optimizer_matches_torch_adamw_with_clipping_and_decay_mask():
   """Three updates of our optax chain equal torch's clip_grad_norm_ + AdamW with param groups."""
   import torch
-  config = glue.get_config("rte")
+  config = config_lib.get_config("rte")
   config.learning_rate = 1e-2
   config.max_grad_norm = 0.5
-  tx, schedule = train.create_optimizer(config, total_steps=10)
+  tx, schedule = optim.create_optimizer(config, total_steps=10)
   rng = np.random.default_rng(0)
   params = {"dense": {"kernel": rng.normal(size=(4, 3)).astype(np.float32),
                       "bias": rng.normal(size=(3,)).astype(np.float32)},
@@ -115,12 +120,12 @@ def test_rte_run_writes_the_run_directory(tiny_bert_dir, glue_dir, tmp_path):
 def test_eval_counts_every_dev_example_once(tiny_bert_dir, glue_dir, tmp_path):
   """The dev metric does not depend on the eval batch size (padded rows are masked out), and
   equals the metric of per-example predictions computed without any padding rows."""
-  from acl_jax import checkpoints
+  from acl_jax import hf_weights
   from acl_jax import metrics
   from acl_jax.models import bert
 
   task = data.get_task("rte")
-  tokenizer = checkpoints.load_tokenizer(tiny_bert_dir)
+  tokenizer = hf_weights.load_tokenizer(tiny_bert_dir)
   full_dev = data.load_encoded(task, "validation", tokenizer, max_length=64, glue_dir=glue_dir,
                                cache_dir=tmp_path / "cache")
   # The examples of every fourth distinct length: both buckets, padded and unpadded rows, and
@@ -133,7 +138,7 @@ def test_eval_counts_every_dev_example_once(tiny_bert_dir, glue_dir, tmp_path):
       offsets=np.concatenate([[0], np.cumsum(full_dev.lengths[rows])]).astype(np.int64),
       lengths=full_dev.lengths[rows], labels=full_dev.labels[rows], pad_id=full_dev.pad_id)
   assert len(dev) > 40 and dev.lengths.min() < 32 < dev.lengths.max()
-  bert_config = checkpoints.load_config(tiny_bert_dir)
+  bert_config = hf_weights.load_config(tiny_bert_dir)
   model = bert.BertForSequenceClassification(config=bert_config, num_labels=2)
   params = model.init(jax.random.key(1), *(jnp.zeros((1, 8), jnp.int32),) * 3)["params"]
   eval_step = jax.jit(train.make_eval_step(model, task))
@@ -156,23 +161,23 @@ def test_eval_counts_every_dev_example_once(tiny_bert_dir, glue_dir, tmp_path):
 
 def test_train_step_fits_one_batch(tiny_bert_dir, glue_dir, tmp_path):
   """The compiled step (donated state, dropout on) drives CE on one fixed batch towards 0."""
-  from acl_jax import checkpoints
+  from acl_jax import hf_weights
   from acl_jax.models import bert
 
   task = data.get_task("rte")
   config = tiny_config(tiny_bert_dir, glue_dir, learning_rate=2e-3, warmup_ratio=0.0)
-  tokenizer = checkpoints.load_tokenizer(tiny_bert_dir)
+  tokenizer = hf_weights.load_tokenizer(tiny_bert_dir)
   encoded = data.load_encoded(task, "train", tokenizer, max_length=64, glue_dir=glue_dir,
                               cache_dir=tmp_path / "cache")
   batch = next(data.train_batches(encoded, batch_size=16, boundaries=(64,), seed=0, epoch=0))
-  batch = {k: batch[k] for k in (*train.MODEL_INPUTS, "labels", "mask")}
-  model = bert.BertForSequenceClassification(config=checkpoints.load_config(tiny_bert_dir),
+  batch = {k: batch[k] for k in (*data.MODEL_INPUTS, "labels", "mask")}
+  model = bert.BertForSequenceClassification(config=hf_weights.load_config(tiny_bert_dir),
                                              num_labels=2)
   params = model.init(jax.random.key(0), *(jnp.zeros((1, 8), jnp.int32),) * 3)["params"]
-  tx, schedule = train.create_optimizer(config, total_steps=1000)
-  state = train.TrainState(step=jnp.zeros((), jnp.int32), params=params,
+  tx, schedule = optim.create_optimizer(config, total_steps=1000)
+  state = optim.TrainState(step=jnp.zeros((), jnp.int32), params=params,
                            opt_state=tx.init(params))
-  step = jax.jit(train.make_train_step(model, tx, schedule, task), donate_argnums=0)
+  step = jax.jit(objectives.make_train_step(model, tx, schedule, task, config), donate_argnums=0)
   losses = []
   for _ in range(40):
     state, m = step(state, batch, jax.random.key(1))

@@ -1,17 +1,17 @@
 """Multi-exit BERT: a classifier exit after every encoder layer (or after chosen layers).
 
-Parameter tree (exit layers are 1-based, as in METHOD.md: exit e reads layer e's output):
+Parameter tree (exit layers are 1-based, as in docs/method.md: exit e reads layer e's output):
 
     bert/...                      exactly BertModel's, so `params["bert"] =
-                                  checkpoints.load_bert_params(...)` loads the backbone
+                                  hf_weights.load_bert_params(...)` loads the backbone
                                   (`bert/pooler` is the shared pooler)
     exit_<e>/classifier/{kernel,bias}   kernel [H, K]; its transpose holds exit e's label
                                   embeddings (`label_embeddings`)
-    exit_<e>/pooler/dense/{kernel,bias} only with pooler="per_exit"; start them from the
-                                  pretrained pooler with `init_per_exit_poolers`
+    exit_<e>/pooler/dense/{kernel,bias} only with pooler_weights="per_exit"; start them
+                                  from the pretrained pooler with `init_per_exit_poolers`
 
-What an exit's pooler reads (`exit_pooling`): "cls", the layer's [CLS] state (METHOD.md, the
-default), or "mean", the mean of the layer's real tokens. The mean is not in METHOD.md: it is
+What an exit's pooler reads (`pooler_input`): "cls", the layer's [CLS] state (the method's
+default, docs/method.md), or "mean", the mean of the layer's real tokens. The mean is our addition: it is
 for checkpoints whose [CLS] state only gathers the sentence in the last layers (mean-pooling
 sentence encoders such as all-MiniLM-L6-v2), where [CLS]-pooled shallow exits cannot learn.
 
@@ -30,12 +30,12 @@ import numpy as np
 from acl_jax.models.bert import (Array, BertConfig, BertLayer, BertModel, BertPooler, Dropout,
                                  Dtype, classifier_dense)
 
-POOLERS = ("shared", "per_exit")
-EXIT_POOLINGS = ("cls", "mean")
+POOLER_WEIGHTS = ("shared", "per_exit")
+POOLER_INPUTS = ("cls", "mean")
 EXIT_WEIGHTS = ("asc", "uniform", "desc")
 
 
-def pooler_input(hidden: Array, attention_mask: Array | None, exit_pooling: str) -> Array:
+def pooled_tokens(hidden: Array, attention_mask: Array | None, pooler_input: str) -> Array:
   """What an exit's pooler (dense + tanh on position 0) reads from a layer's output [B, T, H].
 
   cls: the output itself, so the pooler takes [CLS]. mean: the mean over the tokens that
@@ -43,10 +43,10 @@ def pooler_input(hidden: Array, attention_mask: Array | None, exit_pooling: str)
   that one pooler module (the shared pretrained one, or an exit's own) serves both. Summed in
   float32; a row without a real token (batch padding) pools to zeros, not NaN.
   """
-  if exit_pooling == "cls":
+  if pooler_input == "cls":
     return hidden
-  if exit_pooling != "mean":
-    raise ValueError(f"exit_pooling={exit_pooling!r}; use one of {list(EXIT_POOLINGS)}")
+  if pooler_input != "mean":
+    raise ValueError(f"pooler_input={pooler_input!r}; use one of {list(POOLER_INPUTS)}")
   if attention_mask is None:
     attention_mask = jnp.ones(hidden.shape[:2], jnp.float32)
   weights = attention_mask.astype(jnp.float32)[:, :, None]
@@ -113,7 +113,7 @@ def init_per_exit_poolers(params: Mapping[str, Any]) -> dict[str, Any]:
            if name.startswith("exit_") and "pooler" in sub]
   if not exits:
     raise ValueError("No exit has its own pooler: these are the params of a "
-                     "pooler='shared' model")
+                     "pooler_weights='shared' model")
   pretrained = params["bert"]["pooler"]
   out = dict(params)
   for name in exits:
@@ -122,7 +122,7 @@ def init_per_exit_poolers(params: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class ExitHead(nn.Module):
-  """One exit: its own pooler (pooler="per_exit" only), dropout, its own classifier."""
+  """One exit: its own pooler (pooler_weights="per_exit" only), dropout, its own classifier."""
   config: BertConfig
   num_labels: int
   own_pooler: bool
@@ -153,24 +153,25 @@ class MultiExitBert(nn.Module):
   Returns a dict of named intermediates, exits stacked in (sorted) exit order:
     logits: float32 [E, B, K]; pooled: float32 [E, B, H], before dropout (contrastive losses
     use it); hidden_states: the encoder's L+1 arrays [B, T, H].
-  num_labels=1 regresses. pooler: shared | per_exit; exit_pooling: cls | mean (see the module
-  docstring).
+  num_labels=1 regresses. pooler_weights: shared | per_exit; pooler_input: cls | mean (see the
+  module docstring).
   """
   config: BertConfig
   num_labels: int
   exit_layers: tuple[int, ...] | None = None
-  pooler: str = "shared"
-  exit_pooling: str = "cls"
+  pooler_weights: str = "shared"
+  pooler_input: str = "cls"
   dtype: Dtype = jnp.float32
   precision: jax.lax.PrecisionLike = None
   classifier_dropout: float | None = None
 
   def __post_init__(self):
     # Fail at construction, not at the first init/apply deep inside a jit trace.
-    if self.pooler not in POOLERS:
-      raise ValueError(f"pooler={self.pooler!r}; use one of {list(POOLERS)}")
-    if self.exit_pooling not in EXIT_POOLINGS:
-      raise ValueError(f"exit_pooling={self.exit_pooling!r}; use one of {list(EXIT_POOLINGS)}")
+    if self.pooler_weights not in POOLER_WEIGHTS:
+      raise ValueError(f"pooler_weights={self.pooler_weights!r}; "
+                       f"use one of {list(POOLER_WEIGHTS)}")
+    if self.pooler_input not in POOLER_INPUTS:
+      raise ValueError(f"pooler_input={self.pooler_input!r}; use one of {list(POOLER_INPUTS)}")
     resolve_exit_layers(self.config.num_hidden_layers, self.exit_layers)
     super().__post_init__()
 
@@ -180,14 +181,14 @@ class MultiExitBert(nn.Module):
 
   def setup(self):
     self.bert = BertModel(self.config, self.dtype, self.precision)
-    self.heads = {layer: ExitHead(self.config, self.num_labels, self.pooler == "per_exit",
-                                  self.dtype, self.precision, self.classifier_dropout,
-                                  name=f"exit_{layer}")
+    own_pooler = self.pooler_weights == "per_exit"
+    self.heads = {layer: ExitHead(self.config, self.num_labels, own_pooler, self.dtype,
+                                  self.precision, self.classifier_dropout, name=f"exit_{layer}")
                   for layer in self.resolved_exit_layers()}
 
   def _pool(self, hidden: Array, layer: int, attention_mask: Array | None) -> Array:
-    tokens = pooler_input(hidden, attention_mask, self.exit_pooling)
-    if self.pooler == "shared":
+    tokens = pooled_tokens(hidden, attention_mask, self.pooler_input)
+    if self.pooler_weights == "shared":
       return self.bert.pool(tokens)
     return self.heads[layer].pool(tokens)
 
@@ -200,7 +201,7 @@ class MultiExitBert(nn.Module):
     logits, pooled = [], []
     for layer in self.resolved_exit_layers():
       # BertModel already pooled the last layer's [CLS] with the shared pooler.
-      if self.pooler == "shared" and self.exit_pooling == "cls" and layer == last:
+      if self.pooler_weights == "shared" and self.pooler_input == "cls" and layer == last:
         vector = encoded["pooled"]
       else:
         vector = self._pool(hidden_states[layer], layer, attention_mask)
@@ -230,7 +231,7 @@ class MultiExitBert(nn.Module):
   def exit_head(self, hidden: Array, layer: int,
                 attention_mask: Array | None = None) -> dict[str, Array]:
     """Exit `layer`'s float32 logits [B, K] and pooled [B, H] from hidden_states[layer]
-    (attention_mask: the input's, which exit_pooling="mean" needs)."""
+    (attention_mask: the input's, which pooler_input="mean" needs)."""
     if layer not in self.heads:
       raise ValueError(f"layer {layer} has no exit; exits: {self.resolved_exit_layers()}")
     pooled = self._pool(hidden, layer, attention_mask)

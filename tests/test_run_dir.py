@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from acl_jax import checkpointing
+from acl_jax import run_dir
 from acl_jax import train
 from conftest import REPO_ROOT, tiny_run_config
 
@@ -30,7 +30,7 @@ def _env(glue_dir, cache_dir):
 
 def _final_params(workdir):
   meta = json.loads((workdir / "config.json").read_text())["meta"]
-  params, step = checkpointing.load_params(workdir)
+  params, step = run_dir.load_params(workdir)
   return step, meta, params
 
 
@@ -95,11 +95,11 @@ def test_deebert_resumes_at_and_after_its_stage_boundary(tiny_bert_dir, glue_dir
                            "rte,multi_exit,objective=deebert,max_steps=6,checkpoint_every=2",
                            learning_rate=1e-3)
   reference = train.train_and_evaluate(config, tmp_path / "reference")
-  ref_params = checkpointing.load_params(tmp_path / "reference")[0]
+  ref_params = run_dir.load_params(tmp_path / "reference")[0]
 
   # One run crashes right after the stage-1 end checkpoint, resumes, crashes again inside
   # stage 2, and resumes to the end.
-  original = checkpointing.RunCheckpoints.save
+  original = run_dir.RunCheckpoints.save
   workdir = tmp_path / "crashing"
   for crash_after in (6, 10):
     def save_then_crash(self, step, state, progress, crash_after=crash_after):
@@ -108,13 +108,13 @@ def test_deebert_resumes_at_and_after_its_stage_boundary(tiny_bert_dir, glue_dir
         self.wait()
         raise _Crash(step)
     with monkeypatch.context() as patch:
-      patch.setattr(checkpointing.RunCheckpoints, "save", save_then_crash)
+      patch.setattr(run_dir.RunCheckpoints, "save", save_then_crash)
       with pytest.raises(_Crash):
         train.train_and_evaluate(config, workdir)
   results = train.train_and_evaluate(config, workdir)
   assert results["checkpoints"]["resumed_from_step"] == 10
   assert results["history"] == reference["history"]
-  params = checkpointing.load_params(workdir)[0]
+  params = run_dir.load_params(workdir)[0]
   assert jax.tree.all(jax.tree.map(np.array_equal, params, ref_params))
 
 
@@ -154,17 +154,17 @@ def test_a_diverging_run_stops_naming_step_and_term_and_saves_nothing_non_finite
                      r"is (nan|inf|-inf)") as info:
     train.train_and_evaluate(config, tmp_path / "run")
   bad_step = int(info.value.args[0].split()[1].rstrip(":"))
-  run = checkpointing.RunCheckpoints(tmp_path / "run", async_save=False)
+  run = run_dir.RunCheckpoints(tmp_path / "run", async_save=False)
   latest = run.latest_step()
   run.close()
   assert latest is None or latest < bad_step
   if latest is not None:
-    params = checkpointing.load_params(tmp_path / "run")[0]
-    assert checkpointing.all_finite(params)
+    params = run_dir.load_params(tmp_path / "run")[0]
+    assert run_dir.all_finite(params)
 
 
 def test_saving_a_non_finite_state_is_refused(tmp_path):
-  run = checkpointing.RunCheckpoints(tmp_path, async_save=False)
+  run = run_dir.RunCheckpoints(tmp_path, async_save=False)
   state = {"params": {"w": np.array([1.0, np.nan], np.float32)}, "step": np.int32(3)}
   with pytest.raises(FloatingPointError, match="step 3: the train state holds NaN or inf"):
     run.save(3, state, {"step": 3})

@@ -130,6 +130,19 @@ def load_tokenizer(ckpt_dir: PathLike):
   return tokenizer
 
 
+def load_backbone(config) -> tuple[pathlib.Path, BertConfig, Any]:
+  """The checkpoint directory of config.model, its architecture (with config.dropout), and
+  its tokenizer."""
+  ckpt_dir = resolve(config.model, allow_pickle=config.allow_pickle)
+  bert_config = load_config(ckpt_dir)
+  if config.max_length > bert_config.max_position_embeddings:
+    raise ValueError(f"config.max_length={config.max_length} exceeds the position table of "
+                     f"{ckpt_dir} (max_position_embeddings={bert_config.max_position_embeddings}).")
+  bert_config = dataclasses.replace(bert_config, hidden_dropout_prob=config.dropout,
+                                    attention_probs_dropout_prob=config.dropout)
+  return ckpt_dir, bert_config, load_tokenizer(ckpt_dir)
+
+
 @functools.lru_cache(maxsize=16)
 def _expected_shapes(config: BertConfig, add_pooler: bool) -> dict[tuple[str, ...], tuple]:
   """Our parameter paths and shapes for `config`, without allocating or computing anything."""
@@ -264,14 +277,13 @@ def load_bert_params(ckpt_dir: PathLike, config: BertConfig | None = None, *,
   return hf_to_flax(tensors, config, require_pooler=require_pooler, source=source)
 
 
-EXPORT_DIR = "hf_export"
 EXIT_HEADS_FILE = "exit_heads.safetensors"
 
 
-def export_hf(run, out_dir: PathLike | None = None) -> pathlib.Path:
+def export_hf(run, out_dir: PathLike) -> pathlib.Path:
   """Writes a trained run as an HF BertForSequenceClassification directory.
 
-  run: an acl_jax.train.TrainedRun. out_dir defaults to <workdir>/hf_export. Files:
+  run: an acl_jax.run_dir.TrainedRun; out_dir: usually run_dir.export_dir(workdir). Files:
     config.json, model.safetensors, tokenizer files: transformers' PyTorch (or Flax-free)
       BertForSequenceClassification loads them. For a multi-exit run its classifier is the
       final exit's (and its pooler, with per-exit poolers); if the final exit sits below the
@@ -280,17 +292,17 @@ def export_hf(run, out_dir: PathLike | None = None) -> pathlib.Path:
       `exit_<e>.classifier.{weight,bias}` and, with per-exit poolers,
       `exit_<e>.pooler.dense.{weight,bias}`; exit e reads encoder layer e's output
       (hidden_states[e] in HF's output_hidden_states), pooled by the shared `bert.pooler`
-      unless it has its own. Its metadata lists the exit layers and the pooler kind.
-  A run whose exits pool the mean of the tokens (exit_pooling="mean") is refused: HF's
+      unless it has its own. Its metadata lists the exit layers and the pooler weights.
+  A run whose exits pool the mean of the tokens (pooler_input="mean") is refused: HF's
   BertForSequenceClassification pools [CLS], so its predictions would silently differ.
   """
   import transformers  # pylint: disable=import-outside-toplevel
-  exit_pooling = getattr(run.model, "exit_pooling", "cls")
-  if exit_pooling != "cls":
-    raise ValueError(f"{run.workdir}: its exits pool with exit_pooling={exit_pooling!r}, which "
+  pooler_input = getattr(run.model, "pooler_input", "cls")
+  if pooler_input != "cls":
+    raise ValueError(f"{run.workdir}: its exits pool with pooler_input={pooler_input!r}, which "
                      "HF's BertForSequenceClassification cannot reproduce (it pools [CLS]); "
-                     "export supports exit_pooling='cls' runs only")
-  out = pathlib.Path(out_dir) if out_dir is not None else run.workdir / EXPORT_DIR
+                     "export supports pooler_input='cls' runs only")
+  out = pathlib.Path(out_dir)
   out.mkdir(parents=True, exist_ok=True)
   params = run.params
   bert = dict(params["bert"])
@@ -315,7 +327,7 @@ def export_hf(run, out_dir: PathLike | None = None) -> pathlib.Path:
       heads.update({f"exit_{layer}.{name}": value for name, value in flax_to_hf(head).items()})
     safetensors.numpy.save_file(heads, out / EXIT_HEADS_FILE, metadata={
         "format": "pt", "exit_layers": json.dumps(list(exit_layers)),
-        "pooler": run.model.pooler, "exported_classifier": f"exit_{exit_layers[-1]}"})
+        "pooler_weights": run.model.pooler_weights, "exported_classifier": f"exit_{exit_layers[-1]}"})
   tensors = {f"bert.{name}": value for name, value in flax_to_hf(bert).items()}
   tensors.update({f"classifier.{name}": value
                   for name, value in flax_to_hf(classifier).items()})

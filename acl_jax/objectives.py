@@ -1,0 +1,234 @@
+"""The paper's method as training objectives: the registry, the task loss, the train step.
+
+Each objective is a total loss over the exits of a single- or multi-exit model (a single-exit
+classifier is the one-exit case), optionally gated by ACL-Grad (acl_jax.gradients). The maths,
+with every default and switch, is in docs/method.md; this module is its one implementation.
+DeeBERT's two stages are `stages_of`.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from acl_jax import data
+from acl_jax import gradients
+from acl_jax import losses
+from acl_jax import optim
+from acl_jax.models import multi_exit
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+  """What a training objective adds to the task loss, and how its gradient is gated.
+
+  aux: the auxiliary loss (None: the task loss alone); gate_mode: gradients.combine's mode;
+  convex: the SCL baseline's convex mix (1 - aux_weight) CE + aux_weight SCL, else
+  CE + aux_weight aux; multi_exit_only: needs exits to distil or contrast between.
+  """
+  aux: str | None = None
+  gate_mode: str = "none"
+  convex: bool = False
+  multi_exit_only: bool = False
+
+
+OBJECTIVES = {
+    "ce": Objective(),
+    "scl": Objective(aux="scl", convex=True),  # Gunel et al.'s CE+SCL baseline
+    "acl_embed": Objective(aux="acl_embed"),  # ACL-Embed without gating
+    "acl": Objective(aux="acl_embed", gate_mode="drop"),  # ACL-BERT: ACL-Embed + ACL-Grad
+    "acl_project": Objective(aux="acl_embed", gate_mode="project"),  # PCGrad-style ablation
+    # Multi-exit: self-distillation from the last exit (baseline); ACL-Embed + ACL-CL, gated;
+    # DeeBERT's two stages (final exit, then the other exits on a frozen backbone).
+    "kd": Objective(aux="kd", multi_exit_only=True),
+    "acl_cl": Objective(aux="acl_cl", gate_mode="drop", multi_exit_only=True),
+    "deebert": Objective(multi_exit_only=True),
+}
+GATE_GRANULARITIES = ("per_exit", "global")
+TEACHERS = ("last", "deeper")
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+  """One optimization phase: its objective, exit weights, and what it keeps frozen."""
+  name: str
+  objective: str
+  exit_weights: np.ndarray | None
+  frozen: optim.Frozen | None = None
+
+
+def stages_of(config, model) -> list[Stage]:
+  """One stage, except DeeBERT: the final exit with the whole model, then every other exit
+  with the backbone and the final exit frozen (as many steps again)."""
+  if not config.multi_exit:
+    return [Stage("train", config.objective, None)]
+  layers = model.resolved_exit_layers()
+  if config.objective != "deebert":
+    return [Stage("train", config.objective,
+                  multi_exit.exit_weights(config.exit_weights, layers))]
+  final = np.zeros(len(layers), np.float32)
+  final[-1] = 1.0
+  others = multi_exit.exit_weights(config.exit_weights, layers[:-1])
+  frozen_roots = ("bert", f"exit_{layers[-1]}")
+  return [Stage("final_exit", "ce", final),
+          Stage("other_exits", "ce", np.append(others, 0.0).astype(np.float32),
+                frozen=lambda names: names[0] in frozen_roots)]
+
+
+def task_loss(task: data.TaskSpec, logits, labels, mask) -> jax.Array:
+  if task.is_regression:
+    return losses.mse(logits[:, 0], labels, mask=mask)
+  return losses.cross_entropy(logits, labels, mask=mask)
+
+
+def exit_outputs(model, out, params) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(logits [E, B, K], pooled [E, B, H], label embeddings [E, K, H]) for either model.
+
+  A single-exit classifier is the one-exit case, so every objective has one implementation.
+  """
+  if isinstance(model, multi_exit.MultiExitBert):
+    return (out["logits"], out["pooled"],
+            multi_exit.label_embeddings(params, model.resolved_exit_layers()))
+  return out["logits"][None], out["pooled"][None], params["classifier"]["kernel"].T[None]
+
+
+def num_exits(model) -> int:
+  if isinstance(model, multi_exit.MultiExitBert):
+    return len(model.resolved_exit_layers())
+  return 1
+
+
+def make_train_step(model, tx, schedule, task: data.TaskSpec, config,
+                    stage: Stage | None = None):
+  """Returns the pure step (state, batch, rng) -> (state, metrics), to be jitted once.
+
+  config: the run's config (acl_jax.config), read for the objective's knobs (aux_weight,
+  temperature, anchors, cl_weight, teacher, kd_temperature, gate_granularity, gate_chunk,
+  measure_conflict); stage: its objective, exit weights and frozen parameters (None: the
+  config's first stage, `stages_of(config, model)[0]`).
+
+  The loss is a vector: for every exit e, w_e * CE_e and w_e * aux_e (aux_e already carries
+  lambda, and mu for ACL-CL). With a gate (or measure_conflict, for the pilot experiment) the
+  step takes one forward pass and one jax.vjp of that vector and pulls unit cotangents back
+  through the single vjp, so every gradient sees the same dropout masks:
+    - one exit, or gate_granularity="global": 2 cotangents (all CE rows, all aux rows), one
+      gate decision;
+    - "per_exit": exit by exit, gate_chunk exits (2 * gate_chunk gradient pytrees) at a time
+      inside a lax.scan that accumulates the gated sum, so memory stays bounded however many
+      exits there are.
+  Without a gate the summed loss has one ordinary backward pass.
+  stage.exit_weights: [E] weights (multi_exit.exit_weights); None = 1 for the single exit.
+  stage.frozen: the parameters `tx` leaves untouched (optim.create_optimizer's partition); the
+  logged
+  grad_norm covers the others only, the norm that clipping sees, so nothing reads the frozen
+  parameters' gradients and XLA drops their backward pass (DeeBERT's second stage then costs
+  a forward pass and the exit heads' backward, not a full backward through the backbone).
+  """
+  stage = stage or stages_of(config, model)[0]
+  spec = OBJECTIVES[stage.objective]
+  aux_weight, temperature, cl_weight = config.aux_weight, config.temperature, config.cl_weight
+  exit_weights, frozen, gate_chunk = stage.exit_weights, stage.frozen, config.gate_chunk
+  two_gradients = spec.aux is not None and (spec.gate_mode != "none" or config.measure_conflict)
+  ce_weight = 1.0 - aux_weight if spec.convex else 1.0
+  main_name = "mse" if task.is_regression else "ce"
+  n_exits = num_exits(model)
+  weights = jnp.asarray(np.ones(1) if exit_weights is None else exit_weights, jnp.float32)
+  if weights.shape != (n_exits,):
+    raise ValueError(f"exit_weights has shape {weights.shape}; the model has {n_exits} exits")
+  shallow = jnp.arange(n_exits) < n_exits - 1  # exits that have a deeper teacher
+
+  def auxiliary(logits, pooled, label_emb, batch) -> jax.Array:
+    """[E] auxiliary terms, weights lambda (and mu) included."""
+    labels, mask = batch["labels"], batch["mask"]
+    if spec.aux == "scl":
+      return aux_weight * jax.vmap(
+          lambda h: losses.scl(h, labels, temperature=temperature, mask=mask))(pooled)
+    if spec.aux == "kd":
+      distil = jax.vmap(lambda z: losses.kd(z, logits[-1], temperature=config.kd_temperature,
+                                            mask=mask))(logits)
+      return aux_weight * jnp.where(shallow, distil, 0.0)
+    embed = jax.vmap(lambda h, l: losses.acl_embed(
+        h, labels, l, temperature=temperature, mask=mask, anchors=config.anchors))(
+            pooled, label_emb)
+    if spec.aux == "acl_embed":
+      return aux_weight * embed
+    # ACL-CL: student e against teacher t; [E, E] pairs, kept where t is e's teacher.
+    pair = lambda hs, ls, ht, lt: losses.acl_cl(hs, ls, ht, lt, labels,
+                                                temperature=temperature, mask=mask)
+    if config.teacher == "last":
+      contrast = jax.vmap(pair, in_axes=(0, 0, None, None))(pooled, label_emb, pooled[-1],
+                                                            label_emb[-1])
+    else:
+      grid = jax.vmap(jax.vmap(pair, in_axes=(None, None, 0, 0)),
+                      in_axes=(0, 0, None, None))(pooled, label_emb, pooled, label_emb)
+      deeper = jnp.triu(jnp.ones((n_exits, n_exits), bool), k=1)
+      contrast = (jnp.where(deeper, grid, 0.0).sum(1)
+                  / jnp.maximum(deeper.sum(1), 1).astype(jnp.float32))
+    return aux_weight * embed + cl_weight * jnp.where(shallow, contrast, 0.0)
+
+  def loss_vector(params, batch, dropout_rng):
+    out = model.apply({"params": params}, *(batch[k] for k in data.MODEL_INPUTS),
+                      deterministic=False, rngs={"dropout": dropout_rng})
+    logits, pooled, label_emb = exit_outputs(model, out, params)
+    main = jax.vmap(lambda z: task_loss(task, z, batch["labels"], batch["mask"]))(logits)
+    terms = {main_name: main}
+    if spec.aux is None:
+      return weights * ce_weight * main, terms
+    aux = auxiliary(logits, pooled, label_emb, batch)
+    terms["aux"] = aux
+    return jnp.concatenate([weights * ce_weight * main, weights * aux]), terms
+
+  def gated_grads(loss_vec, pull_back, params):
+    """The gated gradient and per-decision info (dot, cosine, kept), from one vjp."""
+    if n_exits == 1 or config.gate_granularity == "global":
+      rows = jnp.repeat(jnp.eye(2, dtype=loss_vec.dtype), n_exits, axis=1)
+      (stacked,) = jax.vmap(pull_back)(rows)  # a batched backward pass for both cotangents
+      g_main, g_aux = (jax.tree.map(lambda g, i=i: g[i], stacked) for i in range(2))
+      return gradients.combine(g_main, g_aux, mode=spec.gate_mode)
+    chunks = -(-n_exits // gate_chunk)
+    # Exit e's cotangents are rows e (CE) and E + e (aux) of the identity; padding exits get
+    # zero rows, whose zero gradients add nothing.
+    eye = jnp.eye(2 * n_exits, dtype=loss_vec.dtype)
+    pad = jnp.zeros((chunks * gate_chunk - n_exits, 2 * n_exits), loss_vec.dtype)
+    main_rows = jnp.concatenate([eye[:n_exits], pad]).reshape(chunks, gate_chunk, -1)
+    aux_rows = jnp.concatenate([eye[n_exits:], pad]).reshape(chunks, gate_chunk, -1)
+
+    def chunk(total, rows):
+      (stacked,) = jax.vmap(pull_back)(jnp.concatenate(rows))
+      pick = lambda i: jax.tree.map(lambda g: g[i], stacked)
+      gated, infos = zip(*(gradients.combine(pick(i), pick(gate_chunk + i),
+                                             mode=spec.gate_mode)
+                           for i in range(gate_chunk)))
+      total = jax.tree.map(lambda t, *g: t + sum(g), total, *gated)
+      return total, jax.tree.map(lambda *v: jnp.stack(v), *infos)
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    grads, info = jax.lax.scan(chunk, zeros, (main_rows, aux_rows))
+    return grads, jax.tree.map(lambda v: v.reshape(-1)[:n_exits], info)
+
+  def train_step(state: optim.TrainState, batch, rng):
+    dropout_rng = jax.random.fold_in(rng, state.step)
+    if two_gradients:
+      loss_vec, pull_back, terms = jax.vjp(
+          lambda p: loss_vector(p, batch, dropout_rng), state.params, has_aux=True)
+      grads, gate = gated_grads(loss_vec, pull_back, state.params)
+      kept = gate["kept"] if spec.gate_mode == "drop" else 1.0
+      loss = loss_vec[:n_exits].sum() + (kept * loss_vec[n_exits:]).sum()
+      terms.update(gate)
+    else:
+      (loss, terms), grads = jax.value_and_grad(
+          lambda p: (lambda v, t: (v.sum(), t))(*loss_vector(p, batch, dropout_rng)),
+          has_aux=True)(state.params)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    if n_exits == 1:  # one exit logs scalars, as a single-exit model should
+      terms = jax.tree.map(lambda v: v.reshape(()) if v.size == 1 else v, terms)
+    step_metrics = {"loss": loss, **terms,
+                    "grad_norm": optax.tree.norm(optim.trained_leaves(grads, frozen)),
+                    "lr": schedule(state.step)}
+    return (optim.TrainState(step=state.step + 1, params=params, opt_state=opt_state),
+            step_metrics)
+
+  return train_step
