@@ -52,7 +52,7 @@ def test_a_loss_weight_off_its_default_is_its_own_labelled_group(tmp_path):
   import summarize
   config = glue.get_config("rte")
   assert {key: default for key, (default, _, _) in summarize.TUNED.items()} == {
-      key: config[key] for key in summarize.TUNED}
+      key: summarize.config_value(config, key) for key in summarize.TUNED}
   runs = [_run_dir(tmp_path, "rte", 0, 0.5, name="a", objective="acl_cl", cl_weight=0.5),
           _run_dir(tmp_path, "rte", 1, 0.6, name="b", objective="acl_cl"),  # no field: 0.5
           _run_dir(tmp_path, "rte", 0, 0.7, name="c", objective="acl_cl", cl_weight=0.1),
@@ -65,3 +65,54 @@ def test_a_loss_weight_off_its_default_is_its_own_labelled_group(tmp_path):
   assert f"| acl_cl | 0.0001 | 3 | 0,1 | validation/accuracy {mean:.4f} ± {std:.4f}" in table
   assert "| acl_cl, μ 0.1 | 0.0001 | 3 | 0 | validation/accuracy 0.7000" in table
   assert "| ce | 0.0001 | 3 | 0 | validation/accuracy 0.8000" in table  # mu does not act on CE
+
+
+def _summarize(*args):
+  return subprocess.run([sys.executable, "experiments/summarize.py", *map(str, args)],
+                        cwd=REPO_ROOT, capture_output=True, text=True)
+
+
+def test_a_run_given_twice_counts_once_and_two_runs_of_one_seed_are_refused(tmp_path):
+  """An earlier summary's .jsonl plus the run directories it came from (the old documented
+  acl_minilm command) must not count a run twice; a different run with the same config and
+  seed must not be averaged in as if it were another seed."""
+  runs = [_run_dir(tmp_path, "cola", 0, 0.2), _run_dir(tmp_path, "cola", 1, 0.3)]
+  earlier = tmp_path / "earlier"
+  assert _summarize(*runs, "--out", earlier).returncode == 0
+  out = tmp_path / "table"
+  result = _summarize(f"{earlier}.jsonl", *runs, "--out", out)
+  assert result.returncode == 0, result.stderr
+  assert "counted once" in result.stderr
+  rows = out.with_suffix(".jsonl").read_text().splitlines()
+  assert sorted(json.loads(line)["seed"] for line in rows) == [0, 1]
+  mean, std = statistics.fmean([0.2, 0.3]), statistics.stdev([0.2, 0.3])
+  assert f"| 0,1 | validation/accuracy {mean:.4f} ± {std:.4f} |" in out.with_suffix(".md").read_text()
+
+  other = _run_dir(tmp_path, "cola", 0, 0.25, name="rerun_s0")  # same config and seed
+  result = _summarize(*runs, other, "--out", tmp_path / "refused")
+  assert result.returncode != 0
+  assert "same configuration and seed" in result.stderr
+  assert not (tmp_path / "refused.md").exists()
+  # A different configuration with the same seed is its own group, not a duplicate.
+  other_lr = _run_dir(tmp_path, "cola", 0, 0.25, name="lr_s0", learning_rate=5e-5)
+  assert _summarize(*runs, other_lr, "--out", tmp_path / "lr").returncode == 0
+
+
+def test_config_fields_are_read_by_their_new_or_old_names(tmp_path):
+  """Records keep the field names they were written with (lambda, gate, pooler, exit_pooling);
+  newer records use aux_weight, gate_granularity, pooler_weights, pooler_input."""
+  sys.path.insert(0, str(REPO_ROOT / "experiments"))
+  import summarize
+  old = {"lambda": 0.9, "gate": "global", "pooler": "shared", "exit_pooling": "mean"}
+  new = {"aux_weight": 0.9, "gate_granularity": "global", "pooler_weights": "shared",
+         "pooler_input": "mean"}
+  for name in new:
+    assert summarize.config_value(old, name) == summarize.config_value(new, name) == new[name]
+  assert summarize.config_value({"aux_weight": 0.1, "lambda": 0.9}, "aux_weight") == 0.1
+  assert summarize.config_value({}, "pooler_input", "cls") == "cls"
+  runs = [_run_dir(tmp_path, "rte", 0, 0.5, name="old", objective="acl_cl", multi_exit=False,
+                   **{"lambda": 0.9}),
+          _run_dir(tmp_path, "rte", 1, 0.6, name="new", objective="acl_cl", aux_weight=0.9)]
+  out = tmp_path / "table"
+  assert _summarize(*runs, "--out", out).returncode == 0
+  assert "| acl_cl, λ 0.9 | 0.0001 | 3 | 0,1 |" in out.with_suffix(".md").read_text()
