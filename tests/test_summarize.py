@@ -1,6 +1,7 @@
 """experiments/summarize.py: seeds grouped, mean and std, earlier summaries' runs merged."""
 
 import json
+import pathlib
 import statistics
 import subprocess
 import sys
@@ -116,3 +117,57 @@ def test_config_fields_are_read_by_their_new_or_old_names(tmp_path):
   out = tmp_path / "table"
   assert _summarize(*runs, "--out", out).returncode == 0
   assert "| acl_cl, λ 0.9 | 0.0001 | 3 | 0,1 |" in out.with_suffix(".md").read_text()
+
+
+NOTEBOOK = REPO_ROOT / "experiments" / "results" / "README.md"
+
+
+def test_the_committed_notebook_matches_the_committed_records():
+  """Every generated block of experiments/results/README.md is what the records give now."""
+  result = _summarize("--notebook", NOTEBOOK, "--check")
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr
+
+
+def test_notebook_regeneration_is_idempotent_and_check_catches_a_hand_edit(tmp_path):
+  committed = NOTEBOOK.read_text()
+  notebook = tmp_path / "README.md"
+  # A hand-edited number inside a generated block: the single-exit grid's RTE CE mean.
+  assert committed.count("| CE | 0.578 ± 0.006 |") == 1
+  notebook.write_text(committed.replace("| CE | 0.578 ± 0.006 |", "| CE | 0.598 ± 0.006 |"))
+  result = _summarize("--notebook", notebook, "--check")
+  assert result.returncode == 1
+  assert "-| CE | 0.598 ± 0.006 |" in result.stdout and "+| CE | 0.578 ± 0.006 |" in result.stdout
+  assert "0.598" in notebook.read_text()  # --check writes nothing
+  assert _summarize("--notebook", notebook).returncode == 0
+  assert notebook.read_text() == committed
+  assert _summarize("--notebook", notebook).returncode == 0
+  assert notebook.read_text() == committed
+  # An emptied block is filled again; an unknown block name is an error.
+  start, end = "<!-- summarize:acl_grid -->\n", "<!-- /summarize:acl_grid -->"
+  head, rest = committed.split(start)
+  notebook.write_text(head + start + rest[rest.index(end):])
+  assert _summarize("--notebook", notebook, "--check").returncode == 1
+  assert _summarize("--notebook", notebook).returncode == 0
+  assert notebook.read_text() == committed
+  notebook.write_text(committed + "\n<!-- summarize:nonesuch -->\n<!-- /summarize:nonesuch -->\n")
+  result = _summarize("--notebook", notebook)
+  assert result.returncode != 0 and "nonesuch" in result.stderr
+
+
+def test_the_notebook_states_what_the_records_give_for_the_corrected_claims():
+  """The claims a review found stale, computed here from the records directly."""
+  import glob
+  sweeps = {path.split("/")[-2]: json.loads(pathlib.Path(path).read_text()) for path in
+            glob.glob(str(REPO_ROOT / "experiments/results/records/me_minilm/*_s0/early_exit.json"))}
+  text = NOTEBOOK.read_text()
+  slower = [c["per_layer_latency_ms"] / c["compiled_latency_ms"] - 1
+            for s in sweeps.values() for c in s["runner_comparison"]]
+  assert f"is {100 * min(slower):.0f}-{100 * max(slower):.0f}% slower" in text
+  mrpc = [b["throughput_gain"] for name, s in sweeps.items() if name.startswith("mrpc")
+          for b in s["batched"] if b["policy"] == "patience"]
+  assert f"gives {min(mrpc):.2f}-{max(mrpc):.2f}x the full model's throughput" in text
+  cola3 = [r["measured_over_counted"] for name, s in sweeps.items() if name.startswith("cola")
+           for rows in s["policies"].values() for r in rows if abs(r["speedup_ratio"] - 3) < 0.01]
+  assert f"and {min(cola3):.2f}-{max(cola3):.2f} on CoLA" in text
+  assert "1.23-1.35x" in text and "5-23% slower" in text and "0.78-0.89 on CoLA" in text
+  assert "Measured / counted at these two points: 0.85-0.91." in text
