@@ -124,10 +124,12 @@ def block_machines() -> str:
   versions = sorted({f"jax {r['versions']['jax']}, flax {r['versions']['flax']}" for r in runs})
   torch = sorted({f"torch {r['torch']}, transformers {r['transformers']}"
                   for r in jsonl("hf_pytorch_glue.jsonl")})
+  grids = sorted({pathlib.Path(r["workdir"]).parent.name for r in runs})
   return "\n".join([
-      f"- {len(runs)} run records under `records/` ({', '.join(sorted({pathlib.Path(r['workdir']).parent.name for r in runs}))}); "
-      f"machines named in them: {'; '.join(machines)}.",
-      f"- Versions named in the records: {'; '.join(versions)}; the PyTorch reference: {'; '.join(torch)}."])
+      f"- {len(runs)} run records under `records/` ({', '.join(grids)}); machines named in "
+      f"them: {'; '.join(machines)}.",
+      f"- Versions named in the records: {'; '.join(versions)}; the PyTorch reference: "
+      f"{'; '.join(torch)}."])
 
 
 # ---- CE fine-tuning and the HF PyTorch reference ------------------------------------------
@@ -331,17 +333,20 @@ def block_me_findings() -> str:
       f"in {sum(all(constant(r['task'], s) for s in exit_scores(r)[:4]) for r in deebert)} of "
       f"{len(deebert)} runs, through exit 5 in "
       f"{sum(all(constant(r['task'], s) for s in exit_scores(r)[:5]) for r in deebert)}."]
-  for task in TASKS:
-    means = {o: [statistics.fmean(v) for v in zip(*(exit_scores(r) for r in seeds("me_minilm", task, o)))]
-             for o in MULTI_EXIT}
-    best6 = max(means, key=lambda o: means[o][5])
-    best_avg = max(means, key=lambda o: means[o][6])
-    lines.append(f"- {TASK_NAMES[task]} ({metric_name(cola[0]) if task == 'cola' else metric_name(seeds('me_minilm', task, 'ce')[0])}, "
-                 f"mean over seeds): best exit 6 {LABELS[best6]} {means[best6][5]:.3f}, best "
-                 f"average over exits {LABELS[best_avg]} {means[best_avg][6]:.3f}; exit 6 / average: "
-                 + ", ".join(f"{LABELS[o]} {means[o][5]:.3f} / {means[o][6]:.3f}" for o in MULTI_EXIT)
-                 + ".")
-  return "\n".join(lines)
+  return "\n".join(lines + [_late_exits_line(task) for task in TASKS])
+
+
+def _late_exits_line(task) -> str:
+  """The best exit 6 and the best average over exits of a task, means over seeds."""
+  means = {o: [statistics.fmean(v) for v in zip(*map(exit_scores, seeds("me_minilm", task, o)))]
+           for o in MULTI_EXIT}
+  best6 = max(means, key=lambda o: means[o][5])
+  best_avg = max(means, key=lambda o: means[o][6])
+  return (f"- {TASK_NAMES[task]} ({metric_name(seeds('me_minilm', task, 'ce')[0])}, mean over "
+          f"seeds): best exit 6 {LABELS[best6]} {means[best6][5]:.3f}, best average over exits "
+          f"{LABELS[best_avg]} {means[best_avg][6]:.3f}; exit 6 / average: "
+          + ", ".join(f"{LABELS[o]} {means[o][5]:.3f} / {means[o][6]:.3f}" for o in MULTI_EXIT)
+          + ".")
 
 
 def block_mu_sweep() -> str:
@@ -400,7 +405,8 @@ def block_early_exit_summary() -> str:
   near = [nearest(rows)["measured_over_counted"] for *_, e in rm for rows in e["policies"].values()]
   p2 = _patience2(rm)
   at2 = {k: r for k, r in p2.items() if abs(r["speedup_ratio"] - 2) < 0.01}
-  off = [f"{TASK_NAMES[t]} {LABELS[o]} {r['speedup_ratio']:.2f}x" for (t, o), r in p2.items() if (t, o) not in at2]
+  off = [f"{TASK_NAMES[t]} {LABELS[o]} {r['speedup_ratio']:.2f}x"
+         for (t, o), r in p2.items() if (t, o) not in at2]
   cola_p2 = _patience2(cola)
   slower = [x["per_layer_latency_ms"] / x["compiled_latency_ms"] - 1
             for *_, e in rm + cola for x in e["runner_comparison"]]
@@ -464,7 +470,8 @@ def block_history_00e0f21() -> str:
           f"patience 2 measured {p2['measured_over_counted']:.2f} of its counted "
           f"{p2['speedup_ratio']:.2f}x. The grid's rerun of this run (commit "
           f"{short(run('me_minilm', 'rte', 'ce')['commit'])}) "
-          f"{'reproduced its per-exit dev accuracies exactly' if all(same) else 'differs from it per exit'}.")
+          + ("reproduced its per-exit dev accuracies exactly." if all(same)
+             else "differs from it per exit."))
 
 
 # ---- mean-pooled exits ---------------------------------------------------------------------
@@ -572,11 +579,13 @@ def block_acl_findings() -> str:
           (RECORDS / "acl_minilm" / "rte_acl_s0" / "metrics.jsonl").read_text().splitlines()]
   kept = [k for k in kept if k is not None]
   old_ce = [r["metrics"]["validation/mcc"] for r in _ce_jax("cola")]
+  rte_dev = early_exit("me_minilm", "rte", "ce")["examples"]
   machines = {o: sorted({r["machine"] for r in _single("cola", o)}) for o in SINGLE_EXIT}
   return "\n".join([
       f"- CoLA MCC against CE ({ce[0]:.3f} ± {ce[1]:.3f}): " + "; ".join(cola) + ".",
-      f"- RTE accuracy: " + ", ".join(f"{SINGLE_LABELS[o]} {v[0]:.3f} ± {v[1]:.3f}" for o, v in rte.items())
-      + f"; 1 dev example of 277 is {1 / 277:.3f}.",
+      "- RTE accuracy: " + ", ".join(f"{SINGLE_LABELS[o]} {m:.3f} ± {s:.3f}"
+                                     for o, (m, s) in rte.items())
+      + f"; 1 dev example of {rte_dev} is {1 / rte_dev:.3f}.",
       f"- MRPC: the four means span {span([a for a, _ in mrpc_acc], '.3f')} accuracy and "
       f"{span([a for a, _ in mrpc_f1], '.3f')} F1; the seed stds are "
       f"{span([s for _, s in mrpc_acc], '.3f')} and {span([s for _, s in mrpc_f1], '.3f')}.",
@@ -584,7 +593,8 @@ def block_acl_findings() -> str:
       f"auxiliary term in {100 * statistics.fmean(kept):.1f}% of the {len(kept)} logged windows.",
       f"- CoLA CE with the session-1 dropout sampler (the CE table above, otherwise the same "
       f"recipe): {pm(old_ce)}.",
-      "- CoLA machines: " + "; ".join(f"{SINGLE_LABELS[o]} {', '.join(v)}" for o, v in machines.items()) + "."])
+      "- CoLA machines: "
+      + "; ".join(f"{SINGLE_LABELS[o]} {', '.join(v)}" for o, v in machines.items()) + "."])
 
 
 def block_acl_full() -> str:
@@ -596,8 +606,10 @@ def block_acl_full() -> str:
 
 def block_pilot() -> str:
   p = json.loads((RESULTS / "pilot_gradient_angle.json").read_text())
-  rows = [[f"CE vs {name}, MiniLM on RTE", f"{d['mean']:.1f}°", f"{d['p05']:.1f}°-{d['p95']:.1f}°",
-           f"{100 * d['fraction_above_90']:.1f}% ({round(d['fraction_above_90'] * d['batches'])} of {d['batches']})",
+  rows = [[f"CE vs {name}, MiniLM on RTE", f"{d['mean']:.1f}°",
+           f"{d['p05']:.1f}°-{d['p95']:.1f}°",
+           f"{100 * d['fraction_above_90']:.1f}% "
+           f"({round(d['fraction_above_90'] * d['batches'])} of {d['batches']})",
            f"{100 * d['fraction_above_90_first_third']:.1f}%",
            f"{100 * d['fraction_above_90_last_third']:.1f}%", short(d["commit"])]
           for name, d in (("SCL", p["scl"]), ("ACL-Embed", p["acl_embed"]))]
