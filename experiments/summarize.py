@@ -14,8 +14,8 @@ directory it came from) counts once; two different runs with the same configurat
 are refused.
 
 --notebook rewrites every generated block (<!-- summarize:NAME --> ... <!-- /summarize:NAME -->)
-of the results notebook from the records (experiments/notebook.py); with --check it rewrites
-nothing and exits 1 when the file differs from what would be generated.
+of the results notebook from the records (experiments/notebook_blocks.py); with --check it
+rewrites nothing and exits 1 when the file differs from what would be generated.
 """
 
 import argparse
@@ -237,8 +237,8 @@ def main():
                       help="with --notebook: write nothing, exit 1 if the file is out of date")
   args = parser.parse_args()
   if args.notebook:
-    import notebook  # experiments/notebook.py, beside this script
-    sys.exit(notebook.update(args.notebook, check=args.check))
+    import notebook_blocks  # experiments/notebook_blocks.py, beside this script
+    sys.exit(notebook_blocks.update(args.notebook, check=args.check))
   if args.out is None or not args.workdirs:
     parser.error("give run directories (or .jsonl files) and --out, or --notebook")
 
