@@ -90,6 +90,7 @@ def run_metadata() -> dict[str, Any]:
       "versions": package_versions(),
       "backend": jax.default_backend(),
       "devices": [str(d) for d in jax.devices()],
+      "compilation_cache": jax.config.jax_compilation_cache_dir,
   }
 
 

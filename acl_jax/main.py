@@ -50,8 +50,7 @@ def main(argv):
   # INFO records reach <workdir>/run.log; the console shows warnings and errors only.
   logging.set_verbosity(logging.INFO)
   logging.get_absl_handler().setLevel(std_logging.INFO if _VERBOSE.value else std_logging.WARNING)
-  cache = host.enable_compilation_cache(_COMPILATION_CACHE.value)
-  logging.info("compilation cache: %s", cache or "off")
+  host.enable_compilation_cache(_COMPILATION_CACHE.value)  # config.json's meta names it
   if _MODE.value == "train":
     if _CONFIG.value is None:
       raise app.UsageError("--mode=train needs --config, e.g. --config=configs/glue.py:rte")

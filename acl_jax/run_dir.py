@@ -64,9 +64,13 @@ ADDED_FIELDS = {"pooler_input": "cls"}
 
 
 def upgrade_config(saved: dict[str, Any]) -> dict[str, Any]:
-  """A recorded config (config.json's "config") in today's field names."""
-  renamed = {RENAMED_FIELDS.get(key, key): value for key, value in saved.items()}
-  return {**ADDED_FIELDS, **renamed}
+  """A recorded config (config.json's "config") in today's field names; where a config holds
+  both a field's old and new name, the new one wins."""
+  upgraded = dict(ADDED_FIELDS)
+  upgraded.update({RENAMED_FIELDS[key]: value for key, value in saved.items()
+                   if key in RENAMED_FIELDS})
+  upgraded.update({key: value for key, value in saved.items() if key not in RENAMED_FIELDS})
+  return upgraded
 
 
 def read_config(workdir: pathlib.Path) -> ml_collections.ConfigDict:

@@ -25,30 +25,21 @@ import pathlib
 import statistics
 import sys
 
-from acl_jax.train import OBJECTIVES  # the one import of the objectives table
-
-# Config fields renamed since the early records (new name: old name); records keep the name
-# they were written with, and config_value reads either.
-RENAMED = {"aux_weight": "lambda", "gate_granularity": "gate", "pooler_weights": "pooler",
-           "pooler_input": "exit_pooling"}
+from acl_jax import run_dir
+from acl_jax.objectives import OBJECTIVES
 
 
 def config_value(config: dict, name: str, default=None):
-  """`config[name]`, else its pre-rename field, else `default`: the new name wins."""
-  if name in config:
-    return config[name]
-  return config.get(RENAMED.get(name, name), default)
-
-
-def _gate_mode(spec) -> str:
-  return getattr(spec, "gate_mode", None) or getattr(spec, "gate", "none")
+  """`config[name]` of a record (or summary row) written with today's field names or older
+  ones (run_dir.RENAMED_FIELDS); the new name wins."""
+  return run_dir.upgrade_config(config).get(name, default)
 
 
 # Objectives whose multi-exit runs have a gate granularity worth naming.
-GATED = tuple(name for name, spec in OBJECTIVES.items() if _gate_mode(spec) != "none")
+GATED = tuple(name for name, spec in OBJECTIVES.items() if spec.gate_mode != "none")
 
 
-# Loss weights a grid may vary: config field -> (default in configs/glue.py, label, the
+# Loss weights a grid may vary: config field -> (default in acl_jax.config, label, the
 # objectives it acts on, from the auxiliary losses that read it). A run off the default is
 # labelled and grouped apart, so a sweep never averages two settings as if they were seeds.
 # Records older than a field get its default.

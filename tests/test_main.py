@@ -1,9 +1,13 @@
 """The command line, run as users run it: a subprocess with --config and --workdir."""
 
+import fcntl
 import json
 import os
+import pty
+import struct
 import subprocess
 import sys
+import termios
 
 from conftest import REPO_ROOT
 
@@ -34,8 +38,9 @@ def test_cli_trains_and_writes_the_run_directory(tiny_bert_dir, glue_dir, tmp_pa
         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "validation accuracy=" in proc.stdout + proc.stderr
-    assert f"compilation cache: {xla_cache}" in proc.stderr
     results[name] = json.loads((workdir / "eval_results.json").read_text())
+    assert json.loads((workdir / "config.json").read_text())["meta"]["compilation_cache"] == str(
+        xla_cache)
     entries = sorted(p.name for p in xla_cache.iterdir())
     if name == "run":
       first_entries = entries
@@ -60,3 +65,44 @@ def test_cli_rejects_an_unknown_task_listing_valid_ones(glue_dir, tmp_path):
   proc = run_main("--config=configs/glue.py:rtx", f"--workdir={tmp_path}", glue_dir=glue_dir)
   assert proc.returncode != 0
   assert "rtx" in proc.stderr and "mrpc" in proc.stderr
+
+
+def run_main_on_a_terminal(*args, glue_dir) -> tuple[int, str]:
+  """The CLI with a pseudo-terminal for stdout and stderr, as a user at a shell sees it."""
+  leader, follower = pty.openpty()
+  # A terminal 30 rows by 120 columns (a fresh pty is 0 by 0, where tqdm draws no bar).
+  fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 120, 0, 0))
+  env = dict(os.environ, GLUE_DIR=str(glue_dir))
+  proc = subprocess.Popen([sys.executable, "-m", "acl_jax.main", *args], cwd=REPO_ROOT, env=env,
+                          stdin=subprocess.DEVNULL, stdout=follower, stderr=follower)
+  os.close(follower)
+  output = b""
+  while True:
+    try:
+      chunk = os.read(leader, 1 << 16)
+    except OSError:  # EIO: the child closed the terminal
+      break
+    if not chunk:
+      break
+    output += chunk
+  os.close(leader)
+  return proc.wait(timeout=600), output.decode(errors="replace")
+
+
+def test_console_shows_progress_evaluations_and_results_not_library_chatter(tiny_bert_dir,
+                                                                            glue_dir, tmp_path):
+  workdir = tmp_path / "run"
+  code, console = run_main_on_a_terminal(
+      f"--config=configs/glue.py:rte,model={tiny_bert_dir},objective=acl,max_steps=40",
+      "--config.batch_size=8", "--config.max_length=64", "--config.eval_every=20",
+      f"--config.data.cache_dir={tmp_path / 'cache'}", f"--workdir={workdir}",
+      "--compilation_cache=none", glue_dir=glue_dir)
+  assert code == 0, console[-3000:]
+  assert "rte train:" in console and "40/40" in console  # the progress bar, at its end
+  assert "step 20: validation accuracy=" in console and "step 40: validation accuracy=" in console
+  assert f"Done: validation/accuracy" in console and str(workdir / "eval_results.json") in console
+  # orbax dumps its options at INFO for every checkpoint manager: into run.log, not the console.
+  assert "CheckpointManagerOptions" not in console
+  assert "CheckpointManagerOptions" in (workdir / "run.log").read_text()
+  lines = [line for line in console.replace("\r", "\n").splitlines() if line.strip()]
+  assert not any(line.startswith(("I1", "I0")) for line in lines), lines  # no INFO lines

@@ -12,9 +12,14 @@ import jax
 import numpy as np
 import pytest
 
+from acl_jax import config as config_lib
+from acl_jax import data
+from acl_jax import hf_weights
 from acl_jax import run_dir
 from acl_jax import train
 from conftest import REPO_ROOT, tiny_run_config
+
+RECORDS = sorted((REPO_ROOT / "experiments/results/records").glob("**/config.json"))
 
 
 def _command(model_dir, workdir, preset):
@@ -170,3 +175,49 @@ def test_saving_a_non_finite_state_is_refused(tmp_path):
     run.save(3, state, {"step": 3})
   assert run.latest_step() is None
   run.close()
+
+
+def test_there_are_records_under_the_old_field_names():
+  old = [path for path in RECORDS
+         if set(run_dir.RENAMED_FIELDS) & set(json.loads(path.read_text())["config"])]
+  assert len(old) >= 80, f"{len(old)} of {len(RECORDS)}"  # the tests below read real ones
+
+
+@pytest.mark.parametrize("path", RECORDS[::9], ids=lambda p: str(p.parent.relative_to(
+    REPO_ROOT / "experiments/results/records")))
+def test_a_committed_record_reads_in_todays_field_names(path):
+  raw = json.loads(path.read_text())["config"]
+  config = run_dir.read_config(path.parent)
+  config_lib.validate(config)
+  assert set(config) == set(config_lib.defaults(data.get_task(config.task)))
+  for old, new in run_dir.RENAMED_FIELDS.items():
+    if old in raw:
+      assert config[new] == raw[old] and old not in config
+  assert config.pooler_input == raw.get("exit_pooling", raw.get("pooler_input", "cls"))
+
+
+def test_a_run_recorded_under_the_old_field_names_reloads_resumes_and_exports(tiny_bert_dir,
+                                                                              glue_dir,
+                                                                              tmp_path):
+  """A run directory whose config.json says lambda, gate, pooler and no pooler_input (as the
+  committed records do) loads, resumes under today's config and exports."""
+  config = tiny_run_config(tiny_bert_dir, glue_dir, "rte,multi_exit,objective=acl_cl,"
+                           "gate_granularity=global,pooler_weights=per_exit,aux_weight=0.3,"
+                           "max_steps=2")
+  workdir = tmp_path / "run"
+  train.train_and_evaluate(config, workdir)
+  path = workdir / run_dir.CONFIG_FILE
+  saved = json.loads(path.read_text())
+  new_to_old = {new: old for old, new in run_dir.RENAMED_FIELDS.items()}
+  saved["config"] = {new_to_old.get(key, key): value for key, value in saved["config"].items()
+                     if key != "pooler_input"}
+  assert {"lambda", "gate", "pooler"} <= set(saved["config"])
+  path.write_text(json.dumps(saved))
+
+  run = run_dir.load_trained_run(workdir)
+  assert run.config.aux_weight == 0.3 and run.config.gate_granularity == "global"
+  assert run.model.pooler_weights == "per_exit" and run.model.pooler_input == "cls"
+  resumed = train.train_and_evaluate(config, workdir)
+  assert resumed["checkpoints"]["resumed_from_step"] == 2
+  out = hf_weights.export_hf(run, tmp_path / "export")
+  assert (out / "model.safetensors").exists() and (out / hf_weights.EXIT_HEADS_FILE).exists()

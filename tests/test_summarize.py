@@ -7,6 +7,9 @@ import subprocess
 import sys
 
 from conftest import REPO_ROOT
+import summarize
+
+from acl_jax import config as config_lib
 
 
 def _run_dir(root, task, seed, accuracy, name=None, **config_overrides):
@@ -47,11 +50,8 @@ def test_seeds_are_grouped_and_earlier_summaries_merged(tmp_path):
 
 def test_a_loss_weight_off_its_default_is_its_own_labelled_group(tmp_path):
   """Two ACL-CL runs with different mu are never averaged as if they were seeds; older records
-  without the field count as the default. The defaults are configs/glue.py's."""
-  from configs import glue
-  sys.path.insert(0, str(REPO_ROOT / "experiments"))
-  import summarize
-  config = glue.get_config("rte")
+  without the field count as the default. The defaults are acl_jax.config's."""
+  config = config_lib.get_config("rte")
   assert {key: default for key, (default, _, _) in summarize.TUNED.items()} == {
       key: summarize.config_value(config, key) for key in summarize.TUNED}
   runs = [_run_dir(tmp_path, "rte", 0, 0.5, name="a", objective="acl_cl", cl_weight=0.5),
@@ -102,8 +102,6 @@ def test_a_run_given_twice_counts_once_and_two_runs_of_one_seed_are_refused(tmp_
 def test_config_fields_are_read_by_their_new_or_old_names(tmp_path):
   """Records keep the field names they were written with (lambda, gate, pooler, exit_pooling);
   newer records use aux_weight, gate_granularity, pooler_weights, pooler_input."""
-  sys.path.insert(0, str(REPO_ROOT / "experiments"))
-  import summarize
   old = {"lambda": 0.9, "gate": "global", "pooler": "shared", "exit_pooling": "mean"}
   new = {"aux_weight": 0.9, "gate_granularity": "global", "pooler_weights": "shared",
          "pooler_input": "mean"}
