@@ -12,7 +12,6 @@ import numpy as np
 import optax
 import pytest
 
-from acl_jax import config as config_lib
 from acl_jax import data
 from acl_jax import hf_weights
 from acl_jax import losses
@@ -153,7 +152,7 @@ def test_acl_run_logs_gate_terms(tiny_bert_dir, glue_dir, tmp_path):
 
 
 def test_contrastive_objective_on_regression_task_is_refused(tiny_bert_dir, glue_dir, tmp_path):
-  config = config_lib.get_config(f"stsb,model={tiny_bert_dir},objective=acl")
-  config.data.glue_dir = str(glue_dir)
+  config = tiny_run_config(tiny_bert_dir, glue_dir, "stsb", objective="acl")
   with pytest.raises(ValueError, match=r"objective='acl'.*stsb.*regression.*objective=ce"):
     train.train_and_evaluate(config, str(tmp_path / "run"))
+  assert not (tmp_path / "run").exists()

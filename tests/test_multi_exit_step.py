@@ -171,9 +171,10 @@ def test_deebert_second_stage_trains_only_the_shallow_exits(setup, glue_dir, tmp
   assert [s.name for s in stages] == ["final_exit", "other_exits"]
   config.warmup_ratio = 0.0
   frozen_tx, frozen_schedule = optim.create_optimizer(config, 10, frozen=stages[1].frozen)
-  make_step = functools.partial(objectives.make_train_step, model, frozen_tx, frozen_schedule, task,
-                                objective="ce", exit_weights=stages[1].exit_weights)
-  step = jax.jit(make_step(frozen=stages[1].frozen))
+  make_step = lambda frozen: objectives.make_train_step(
+      model, frozen_tx, frozen_schedule, task, config,
+      objectives.Stage("other_exits", "ce", stages[1].exit_weights, frozen))
+  step = jax.jit(make_step(stages[1].frozen))
   state = optim.TrainState(step=jnp.asarray(3, jnp.int32), params=params,
                            opt_state=frozen_tx.init(params))
   new_state, metrics = step(state, batches[0], jax.random.key(0))
@@ -181,7 +182,7 @@ def test_deebert_second_stage_trains_only_the_shallow_exits(setup, glue_dir, tmp
   # costs well under the one that logs the norm of every gradient (about 2.7x fewer FLOPs).
   flops = lambda s: s.lower(state, batches[0], jax.random.key(0)).compile().cost_analysis()[
       "flops"]
-  assert flops(step) < 0.6 * flops(jax.jit(make_step()))
+  assert flops(step) < 0.6 * flops(jax.jit(make_step(None)))
   # ... and the logged grad_norm is the trained exits' gradient norm (what clipping sees).
   g_ce, _ = reference_grads(model, params, batches[0], jax.random.fold_in(jax.random.key(0), 3),
                             jnp.asarray(stages[1].exit_weights), "kd")
@@ -219,9 +220,12 @@ def test_multi_exit_run_reports_every_exit_and_their_average(setup, glue_dir, tm
 
 
 def test_multi_exit_objectives_need_the_multi_exit_preset(tiny_bert_dir, glue_dir, tmp_path):
-  config = config_lib.get_config(f"rte,model={tiny_bert_dir},objective=kd")
+  with pytest.raises(ValueError, match="objective='kd' needs a multi-exit model"):
+    config_lib.get_config(f"rte,model={tiny_bert_dir},objective=kd")
+  config = tiny_run_config(tiny_bert_dir, glue_dir, "rte,objective=ce", objective="kd")
   with pytest.raises(ValueError, match="objective='kd' needs a multi-exit model"):
     train.train_and_evaluate(config, str(tmp_path / "run"))
+  assert not (tmp_path / "run").exists()  # refused before the workdir was touched
 
 
 def test_mean_pooled_exits_train_reload_resume_and_refuse_export(setup, glue_dir, tmp_path):

@@ -24,6 +24,7 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 _CHILD = r"""
 import json, pathlib, sys
 import jax, numpy as np
+from acl_jax import run_dir, train
 from tests.conftest import tiny_run_config
 
 model_dir, glue_dir, tmp = sys.argv[1], sys.argv[2], pathlib.Path(sys.argv[3])
