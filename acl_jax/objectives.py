@@ -14,6 +14,7 @@ import numpy as np
 import optax
 
 from acl_jax import data
+from acl_jax import exit_gate
 from acl_jax import gradients
 from acl_jax import losses
 from acl_jax import optim
@@ -109,22 +110,19 @@ def make_train_step(model, tx, schedule, task: data.TaskSpec, config,
   measure_conflict); stage: its objective, exit weights and frozen parameters (None: the
   config's first stage, `stages_of(config, model)[0]`).
 
-  The loss is a vector: for every exit e, w_e * CE_e and w_e * aux_e (aux_e already carries
+  The loss terms are, for every exit e, w_e * CE_e and w_e * aux_e (aux_e already carries
   lambda, and mu for ACL-CL). With a gate (or measure_conflict, for the pilot experiment) the
-  step takes one forward pass and one jax.vjp of that vector and pulls unit cotangents back
-  through the single vjp, so every gradient sees the same dropout masks:
-    - one exit, or gate_granularity="global": 2 cotangents (all CE rows, all aux rows), one
-      gate decision;
-    - "per_exit": exit by exit, gate_chunk exits (2 * gate_chunk gradient pytrees) at a time
-      inside a lax.scan that accumulates the gated sum, so memory stays bounded however many
-      exits there are.
-  Without a gate the summed loss has one ordinary backward pass.
+  step takes one forward pass and makes one gate decision for all exits
+  (gate_granularity="global", or a single exit: gradients.gated_value_and_grad, one vjp) or
+  one per exit ("per_exit": exit_gate.per_exit_gated_grads, each exit's backward passes through
+  its own layers only, gate_chunk exits at a time). Without a gate the summed loss has one
+  ordinary backward pass.
   stage.exit_weights: [E] weights (multi_exit.exit_weights); None = 1 for the single exit.
   stage.frozen: the parameters `tx` leaves untouched (optim.create_optimizer's partition); the
-  logged
-  grad_norm covers the others only, the norm that clipping sees, so nothing reads the frozen
-  parameters' gradients and XLA drops their backward pass (DeeBERT's second stage then costs
-  a forward pass and the exit heads' backward, not a full backward through the backbone).
+  logged grad_norm covers the others only, the norm that clipping sees, so nothing reads the
+  frozen parameters' gradients and XLA drops their backward pass (DeeBERT's second stage then
+  costs a forward pass and the exit heads' backward, not a full backward through the
+  backbone).
   """
   stage = stage or stages_of(config, model)[0]
   spec = OBJECTIVES[stage.objective]
@@ -168,59 +166,42 @@ def make_train_step(model, tx, schedule, task: data.TaskSpec, config,
                   / jnp.maximum(deeper.sum(1), 1).astype(jnp.float32))
     return aux_weight * embed + cl_weight * jnp.where(shallow, contrast, 0.0)
 
-  def loss_vector(params, batch, dropout_rng):
-    out = model.apply({"params": params}, *(batch[k] for k in data.MODEL_INPUTS),
-                      deterministic=False, rngs={"dropout": dropout_rng})
-    logits, pooled, label_emb = exit_outputs(model, out, params)
+  def terms_of(logits, pooled, label_emb, batch):
+    """((w_e CE_e [E], w_e aux_e [E] or None), logged terms) from the exits' outputs."""
     main = jax.vmap(lambda z: task_loss(task, z, batch["labels"], batch["mask"]))(logits)
     terms = {main_name: main}
     if spec.aux is None:
-      return weights * ce_weight * main, terms
+      return (weights * ce_weight * main, None), terms
     aux = auxiliary(logits, pooled, label_emb, batch)
     terms["aux"] = aux
-    return jnp.concatenate([weights * ce_weight * main, weights * aux]), terms
+    return (weights * ce_weight * main, weights * aux), terms
 
-  def gated_grads(loss_vec, pull_back, params):
-    """The gated gradient and per-decision info (dot, cosine, kept), from one vjp."""
-    if n_exits == 1 or config.gate_granularity == "global":
-      rows = jnp.repeat(jnp.eye(2, dtype=loss_vec.dtype), n_exits, axis=1)
-      (stacked,) = jax.vmap(pull_back)(rows)  # a batched backward pass for both cotangents
-      g_main, g_aux = (jax.tree.map(lambda g, i=i: g[i], stacked) for i in range(2))
-      return gradients.combine(g_main, g_aux, mode=spec.gate_mode)
-    chunks = -(-n_exits // gate_chunk)
-    # Exit e's cotangents are rows e (CE) and E + e (aux) of the identity; padding exits get
-    # zero rows, whose zero gradients add nothing.
-    eye = jnp.eye(2 * n_exits, dtype=loss_vec.dtype)
-    pad = jnp.zeros((chunks * gate_chunk - n_exits, 2 * n_exits), loss_vec.dtype)
-    main_rows = jnp.concatenate([eye[:n_exits], pad]).reshape(chunks, gate_chunk, -1)
-    aux_rows = jnp.concatenate([eye[n_exits:], pad]).reshape(chunks, gate_chunk, -1)
+  def loss_terms(params, batch, dropout_rng):
+    out = model.apply({"params": params}, *(batch[k] for k in data.MODEL_INPUTS),
+                      deterministic=False, rngs={"dropout": dropout_rng})
+    return terms_of(*exit_outputs(model, out, params), batch)
 
-    def chunk(total, rows):
-      (stacked,) = jax.vmap(pull_back)(jnp.concatenate(rows))
-      pick = lambda i: jax.tree.map(lambda g: g[i], stacked)
-      gated, infos = zip(*(gradients.combine(pick(i), pick(gate_chunk + i),
-                                             mode=spec.gate_mode)
-                           for i in range(gate_chunk)))
-      total = jax.tree.map(lambda t, *g: t + sum(g), total, *gated)
-      return total, jax.tree.map(lambda *v: jnp.stack(v), *infos)
+  def summed_loss(params, batch, dropout_rng):
+    (main, aux), terms = loss_terms(params, batch, dropout_rng)
+    return jnp.concatenate([main] if aux is None else [main, aux]).sum(), terms
 
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    grads, info = jax.lax.scan(chunk, zeros, (main_rows, aux_rows))
-    return grads, jax.tree.map(lambda v: v.reshape(-1)[:n_exits], info)
+  if n_exits > 1 and config.gate_granularity == "per_exit":
+    # Each exit's gradients through its own layers only (exit_gate: the cost floor).
+    gated_loss_and_grads = lambda params, batch, dropout_rng: exit_gate.per_exit_gated_grads(
+        model, params, batch, dropout_rng, lambda *out: terms_of(*out, batch),
+        mode=spec.gate_mode, chunk=gate_chunk)
+  else:
+    gated_loss_and_grads = gradients.gated_value_and_grad(
+        loss_terms, mode=spec.gate_mode, granularity="global", has_aux=True)
 
   def train_step(state: optim.TrainState, batch, rng):
     dropout_rng = jax.random.fold_in(rng, state.step)
     if two_gradients:
-      loss_vec, pull_back, terms = jax.vjp(
-          lambda p: loss_vector(p, batch, dropout_rng), state.params, has_aux=True)
-      grads, gate = gated_grads(loss_vec, pull_back, state.params)
-      kept = gate["kept"] if spec.gate_mode == "drop" else 1.0
-      loss = loss_vec[:n_exits].sum() + (kept * loss_vec[n_exits:]).sum()
+      (loss, terms), grads, gate = gated_loss_and_grads(state.params, batch, dropout_rng)
       terms.update(gate)
     else:
-      (loss, terms), grads = jax.value_and_grad(
-          lambda p: (lambda v, t: (v.sum(), t))(*loss_vector(p, batch, dropout_rng)),
-          has_aux=True)(state.params)
+      (loss, terms), grads = jax.value_and_grad(summed_loss, has_aux=True)(
+          state.params, batch, dropout_rng)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     if n_exits == 1:  # one exit logs scalars, as a single-exit model should

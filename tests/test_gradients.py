@@ -127,3 +127,104 @@ def test_unknown_mode_lists_the_modes():
   with pytest.raises(ValueError, match="drop") as err:
     gradients.combine(G_CE, AGREE, mode="pcgrad")
   assert all(mode in str(err.value) for mode in ("none", "drop", "project", "pcgrad"))
+
+
+# gated_value_and_grad on a model that is not ours: a plain-JAX MLP with three "exits", each
+# with a main and an auxiliary loss. Exit 0's auxiliary term is built to conflict with its
+# main term, exit 1's to agree, exit 2's is an unrelated loss; the reference takes every
+# gradient with its own jax.grad call and gates in float64 NumPy.
+
+def mlp_params(seed=0):
+  rng = np.random.default_rng(seed)
+  return {"hidden": [jnp.asarray(rng.normal(size=(4, 4)) * 0.7, jnp.float32) for _ in range(3)],
+          "heads": jnp.asarray(rng.normal(size=(3, 4, 2)), jnp.float32)}
+
+
+def mlp_terms(params, x, y):
+  """(main [3], aux [3]), and the logits as an auxiliary output."""
+  h, logits = x, []
+  for kernel in params["hidden"]:
+    h = jnp.tanh(h @ kernel)
+    logits.append(h @ params["heads"][len(logits)])
+  logits = jnp.stack(logits)  # [3, N, 2]
+  main = -jnp.mean(jax.nn.log_softmax(logits)[:, jnp.arange(len(y)), y], axis=1)
+  other = jnp.mean(jnp.square(logits - 0.3), axis=(1, 2))
+  aux = jnp.stack([-0.5 * main[0], 0.3 * main[1], 0.2 * other[2]])
+  return (main, aux), logits
+
+
+def reference(params, x, y, *, mode, granularity):
+  def grad_of(which, e=None):
+    pick = lambda p: mlp_terms(p, x, y)[0][which]
+    g = jax.grad(lambda p: pick(p).sum() if e is None else pick(p)[e])(params)
+    return np.concatenate([np.asarray(l, np.float64).ravel() for l in jax.tree.leaves(g)])
+
+  pairs = ([(grad_of(0), grad_of(1))] if granularity == "global" else
+           [(grad_of(0, e), grad_of(1, e)) for e in range(3)])
+  total, kept = 0.0, []
+  for g_main, g_aux in pairs:
+    dot = g_main @ g_aux
+    if mode == "drop":
+      kept.append(float(dot >= 0))
+      total = total + g_main + (g_aux if dot >= 0 else 0.0)
+    else:  # project
+      scale = dot / (g_main @ g_main) if dot < 0 else 0.0
+      kept.append(1.0)
+      total = total + g_main + g_aux - scale * g_main
+  return total, np.array(kept)
+
+
+@pytest.mark.parametrize("mode", ["drop", "project"])
+@pytest.mark.parametrize("granularity, chunk", [("per_term", 1), ("per_term", 2),
+                                                ("global", 1)])
+def test_gated_value_and_grad_equals_separate_grads_on_a_plain_mlp(mode, granularity, chunk):
+  params = mlp_params()
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.normal(size=(16, 4)), jnp.float32)
+  y = jnp.asarray(rng.integers(0, 2, size=16))
+  fn = jax.jit(gradients.gated_value_and_grad(mlp_terms, mode=mode, granularity=granularity,
+                                              chunk=chunk, has_aux=True))
+  (loss, logits), grads, info = fn(params, x, y)
+
+  expected, kept = reference(params, x, y, mode=mode, granularity=granularity)
+  flat = np.concatenate([np.asarray(l, np.float64).ravel() for l in jax.tree.leaves(grads)])
+  np.testing.assert_allclose(flat, expected, rtol=1e-5, atol=1e-6)
+  (main, aux), want_logits = mlp_terms(params, x, y)
+  np.testing.assert_array_equal(logits, want_logits)
+  shape = () if granularity == "global" else (3,)
+  assert info["dot"].shape == info["cosine"].shape == info["kept"].shape == shape
+  if granularity == "per_term":
+    assert info["dot"][0] < 0 < info["dot"][1]  # both branches of the gate are exercised
+    if mode == "drop":
+      np.testing.assert_array_equal(info["kept"], kept)
+      np.testing.assert_allclose(loss, main.sum() + (kept * aux).sum(), rtol=1e-6)
+  if mode == "project":
+    np.testing.assert_allclose(loss, main.sum() + aux.sum(), rtol=1e-6)
+
+
+def test_gated_value_and_grad_on_scalar_terms_without_outputs():
+  params = mlp_params(2)
+  x = jnp.ones((4, 4), jnp.float32)
+  y = jnp.array([0, 1, 1, 0])
+  scalar_terms = lambda p, x, y: (mlp_terms(p, x, y)[0][0][2], mlp_terms(p, x, y)[0][1][2])
+  loss, grads, info = gradients.gated_value_and_grad(scalar_terms)(params, x, y)
+  g_main = jax.grad(lambda p: scalar_terms(p, x, y)[0])(params)
+  g_aux = jax.grad(lambda p: scalar_terms(p, x, y)[1])(params)
+  want, want_info = gradients.combine(g_main, g_aux, mode="drop")
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+  assert info["kept"].shape == () and float(info["kept"]) == float(want_info["kept"])
+  main, aux = scalar_terms(params, x, y)
+  np.testing.assert_allclose(loss, main + float(info["kept"]) * aux, rtol=1e-6)
+
+
+def test_gated_value_and_grad_refuses_bad_arguments():
+  with pytest.raises(ValueError, match="mode='skip'"):
+    gradients.gated_value_and_grad(mlp_terms, mode="skip")
+  with pytest.raises(ValueError, match="granularity='exit'"):
+    gradients.gated_value_and_grad(mlp_terms, granularity="exit")
+  with pytest.raises(ValueError, match="chunk=0"):
+    gradients.gated_value_and_grad(mlp_terms, chunk=0)
+  mismatched = lambda p, x, y: (mlp_terms(p, x, y)[0][0], mlp_terms(p, x, y)[0][1][:2])
+  with pytest.raises(ValueError, match=r"one shape.*\(3,\) and \(2,\)"):
+    gradients.gated_value_and_grad(mismatched)(mlp_params(), jnp.ones((2, 4)), jnp.array([0, 1]))

@@ -271,3 +271,55 @@ def test_bad_pooler_input_is_refused_before_loading(tiny_bert_dir, glue_dir, tmp
   with pytest.raises(ValueError, match=message):
     train.train_and_evaluate(config, str(tmp_path / "run"))
   assert not (tmp_path / "run").exists()  # refused before the workdir was touched
+
+
+def _deeper_teacher_terms(logits, pooled, label_emb, batch):
+  """ACL-Embed per exit plus ACL-CL against every deeper exit (teachers under stop-gradient),
+  written out exit by exit: a term that reads other exits than its own."""
+  labels, mask = batch["labels"], batch["mask"]
+  n = logits.shape[0]
+  main = jnp.stack([losses.cross_entropy(logits[e], labels, mask=mask) for e in range(n)])
+  aux = []
+  for e in range(n):
+    term = LAMBDA * losses.acl_embed(pooled[e], labels, label_emb[e], temperature=TEMPERATURE,
+                                     mask=mask)
+    for t in range(e + 1, n):
+      term += MU / (n - 1 - e) * losses.acl_cl(pooled[e], label_emb[e], pooled[t], label_emb[t],
+                                               labels, temperature=TEMPERATURE, mask=mask)
+    aux.append(term)
+  return (main, jnp.stack(aux)), logits
+
+
+@pytest.mark.parametrize("pooler_weights, pooler_input, exit_layers, chunk", [
+    ("shared", "cls", None, 1), ("per_exit", "mean", (1, 3), 1), ("per_exit", "cls", None, 2)])
+def test_exit_by_exit_backward_equals_one_vjp_of_the_whole_forward(setup, pooler_weights,
+                                                                   pooler_input, exit_layers,
+                                                                   chunk):
+  """exit_gate's truncated backward passes against gradients.gated_value_and_grad's single vjp
+  of the full forward (the per-exit step before exit_gate): same loss, decisions, gradients."""
+  from acl_jax import exit_gate, gradients
+  ckpt, _, _, _, batches, _, _, _ = setup
+  model = multi_exit.MultiExitBert(config=hf_weights.load_config(ckpt), num_labels=2,
+                                   exit_layers=exit_layers, pooler_weights=pooler_weights,
+                                   pooler_input=pooler_input)
+  params = model.init(jax.random.key(1), *(jnp.zeros((1, 8), jnp.int32),) * 3)["params"]
+  batch, rng = batches[2], jax.random.key(11)
+
+  def whole(p):
+    out = model.apply({"params": p}, *(batch[k] for k in data.MODEL_INPUTS),
+                      deterministic=False, rngs={"dropout": rng})
+    label_emb = multi_exit.label_embeddings(p, model.resolved_exit_layers())
+    return _deeper_teacher_terms(out["logits"], out["pooled"], label_emb, batch)
+
+  (want_loss, want_logits), want_grads, want_info = jax.jit(gradients.gated_value_and_grad(
+      whole, granularity="per_term", has_aux=True))(params)
+  (loss, logits), grads, info = jax.jit(lambda p: exit_gate.per_exit_gated_grads(
+      model, p, batch, rng, lambda *out: _deeper_teacher_terms(*out, batch), mode="drop",
+      chunk=chunk))(params)
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+  np.testing.assert_allclose(logits, want_logits, rtol=1e-6, atol=1e-6)  # the same dropout
+  np.testing.assert_array_equal(info["kept"], want_info["kept"])
+  np.testing.assert_allclose(info["dot"], want_info["dot"], rtol=1e-4, atol=1e-9)
+  for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+  assert jax.tree.structure(grads) == jax.tree.structure(params)

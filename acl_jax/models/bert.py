@@ -226,10 +226,13 @@ class BertLayerStack(_BertModule):
   """The layers, named "0", "1", ... like the entries of HF's ModuleList `encoder.layer`."""
 
   @nn.compact
-  def __call__(self, hidden: Array, bias: Array, *,
-               deterministic: bool = True) -> tuple[Array, ...]:
+  def __call__(self, hidden: Array, bias: Array, *, deterministic: bool = True,
+               layers: tuple[int, int] | None = None) -> tuple[Array, ...]:
+    """The input and each layer's output; `layers` = (start, stop), 0-based, runs only those
+    (under the same names, so with the same parameters and dropout keys)."""
+    start, stop = layers or (0, self.config.num_hidden_layers)
     states = [hidden]
-    for i in range(self.config.num_hidden_layers):
+    for i in range(start, stop):
       states.append(self._child(BertLayer, str(i))(states[-1], bias, deterministic=deterministic))
     return tuple(states)
 
@@ -239,9 +242,10 @@ class BertEncoder(_BertModule):
   layer's output."""
 
   @nn.compact
-  def __call__(self, hidden: Array, bias: Array, *,
-               deterministic: bool = True) -> tuple[Array, ...]:
-    return self._child(BertLayerStack, "layer")(hidden, bias, deterministic=deterministic)
+  def __call__(self, hidden: Array, bias: Array, *, deterministic: bool = True,
+               layers: tuple[int, int] | None = None) -> tuple[Array, ...]:
+    return self._child(BertLayerStack, "layer")(hidden, bias, deterministic=deterministic,
+                                                layers=layers)
 
 
 class BertPooler(_BertModule):

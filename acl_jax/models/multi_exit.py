@@ -197,26 +197,38 @@ class MultiExitBert(nn.Module):
                deterministic: bool = True) -> dict[str, Any]:
     encoded = self.bert(input_ids, attention_mask, token_type_ids, deterministic=deterministic)
     hidden_states = encoded["hidden_states"]
-    last = self.config.num_hidden_layers
+    outputs = self.exits({layer: hidden_states[layer] for layer in self.resolved_exit_layers()},
+                         attention_mask, deterministic=deterministic)
+    return {**outputs, "hidden_states": hidden_states}
+
+  def exits(self, exit_hidden: Mapping[int, Array], attention_mask: Array | None = None, *,
+            deterministic: bool = True) -> dict[str, Array]:
+    """Every exit's float32 logits [E, B, K] and pooled vector [E, B, H] (before dropout)
+    from {exit layer: that layer's output [B, T, H]}."""
     logits, pooled = [], []
     for layer in self.resolved_exit_layers():
-      # BertModel already pooled the last layer's [CLS] with the shared pooler.
-      if self.pooler_weights == "shared" and self.pooler_input == "cls" and layer == last:
-        vector = encoded["pooled"]
-      else:
-        vector = self._pool(hidden_states[layer], layer, attention_mask)
+      vector = self._pool(exit_hidden[layer], layer, attention_mask)
       pooled.append(vector.astype(jnp.float32))
       logits.append(self.heads[layer].classify(vector, deterministic=deterministic))
-    return {"logits": jnp.stack(logits), "pooled": jnp.stack(pooled),
-            "hidden_states": hidden_states}
+    return {"logits": jnp.stack(logits), "pooled": jnp.stack(pooled)}
+
+  def encoder_layer(self, hidden: Array, bias: Array, layer: int, *,
+                    deterministic: bool = True) -> Array:
+    """hidden_states[layer - 1] -> hidden_states[layer] through the model's own encoder, so
+    with the parameters and dropout keys of the full forward: training one layer at a time
+    (acl_jax.exit_gate) is the same computation as training the whole model."""
+    return self.bert.encoder(hidden, bias, deterministic=deterministic,
+                             layers=(layer - 1, layer))[-1]
 
   # One stage at a time, for early exit (inference: no dropout). Each is called as
   # model.apply(variables, ..., method=MultiExitBert.<stage>).
 
   def embed(self, input_ids: Array, attention_mask: Array | None = None,
-            token_type_ids: Array | None = None) -> tuple[Array, Array]:
+            token_type_ids: Array | None = None, *,
+            deterministic: bool = True) -> tuple[Array, Array]:
     """hidden_states[0] [B, T, H] and the attention bias [B, 1, 1, T] each layer takes."""
-    return self.bert.embed(input_ids, attention_mask, token_type_ids)
+    return self.bert.embed(input_ids, attention_mask, token_type_ids,
+                           deterministic=deterministic)
 
   def layer(self, hidden: Array, bias: Array, layer: int) -> Array:
     """hidden_states[layer - 1] -> hidden_states[layer] (layer is 1-based)."""
