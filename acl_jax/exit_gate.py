@@ -36,8 +36,23 @@ from acl_jax import gradients
 from acl_jax.models import bert
 from acl_jax.models import multi_exit
 
+# A layer's backward pass costs about twice its forward pass (two matmuls per forward one).
+BACKWARD_OVER_FORWARD = 2.0
 LAYERS = ("bert", "encoder", "layer")
 EMBEDDINGS = ("bert", "embeddings")
+
+
+def layer_passes(num_layers: int, exit_layers, *, gate: str) -> dict[str, float]:
+  """The cost model above: layer forward and backward passes of one multi-exit step, and its
+  cost in layer forwards (backward = BACKWARD_OVER_FORWARD forwards), for gate "none" (one
+  backward of the summed loss: CE, KD, ungated objectives), "global" (two), "one_vjp" (2E
+  full backward passes: the per-exit gate through a single vjp) or "per_exit" (this module)."""
+  exit_layers = sorted(exit_layers)
+  forward = exit_layers[-1]
+  backward = {"none": forward, "global": 2 * forward, "one_vjp": 2 * len(exit_layers) * forward,
+              "per_exit": 2 * sum(exit_layers)}[gate]
+  return {"forward": forward, "backward": backward,
+          "cost": forward + BACKWARD_OVER_FORWARD * backward}
 
 
 def _get(tree, path):
