@@ -251,6 +251,32 @@ def block_bench_bert_base_sequential() -> str:
           f"(synced steps), {jax['pipelined_step_s'] / torch['pipelined_step_s']:.2f} (back to back).")
 
 
+def _bench_files(prefix: str) -> list[str]:
+  return sorted(path.name for path in RESULTS.glob(f"{prefix}*.jsonl"))
+
+
+def block_bench_exit_gate() -> str:
+  """The per-exit gate through each exit's own layers (exit_gate), one block per shape's run:
+  measured ratios beside XLA's FLOP ratio and the cost model's prediction."""
+  parts = []
+  for name in _bench_files("benchmark_exit_gate"):
+    steps = _bench(name)
+    rows = [[r["objective"], f"{r['median_step_s']:.2f}",
+             ", ".join(f"{t:.1f}" for t in r["step_times_s"]), f"{r['compile_s']:.0f}",
+             f"{r['xla_gflops']:.0f}", f"{r['xla_peak_mib']:.0f}"] for r in steps]
+    ratios = [[r["name"], f"{r['ratio']:.2f}",
+               f"{r['xla_flops_ratio']:.2f}" if "xla_flops_ratio" in r else "-",
+               f"{r['cost_model_ratio']:.2f}" if "cost_model_ratio" in r else "-",
+               r["target"] or "-", {True: "yes", False: "no", None: "-"}[r["meets_target"]]]
+              for r in _bench(name, "ratio")]
+    parts.append(f"`{name}`: {_bench_header(name)}.\n\n"
+                 + table(["objective", "median step s", "the rounds, s", "compile s",
+                          "XLA GFLOP", "XLA buffers MiB"], rows) + "\n\n"
+                 + table(["ratio (same run)", "measured", "XLA FLOPs", "cost model", "target",
+                          "met"], ratios))
+  return "\n\n".join(parts)
+
+
 def _time_v(name) -> dict:
   text = (RECORDS / "speed" / f"{name}.time.txt").read_text()
   clock = re.search(r"Elapsed \(wall clock\) time.*: (\S+)", text).group(1).split(":")
