@@ -97,6 +97,10 @@ def defaults(task: data.TaskSpec) -> ml_collections.ConfigDict:
   config.num_epochs = 3
   config.max_steps = 0  # > 0 caps the number of train steps (smoke tests, sweeps).
   config.batch_size = 32
+  # > 0: run each (global) batch in micro-batches of this many examples, every loss term and
+  # gradient still the whole batch's (acl_jax.gradients.Microbatched): batches larger than
+  # memory. It must divide batch_size (and be a multiple of the device count). 0 = off.
+  config.microbatch_size = 0
   config.eval_batch_size = 64
   config.learning_rate = 2e-5
   config.warmup_ratio = 0.1
@@ -245,6 +249,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
               "cl_weight", "weight_decay"):
     if config[key] < 0:
       raise ValueError(f"config.{key}={config[key]} must be >= 0.")
+  if config.microbatch_size < 0 or (config.microbatch_size
+                                    and config.batch_size % config.microbatch_size):
+    raise ValueError(f"config.microbatch_size={config.microbatch_size} must divide "
+                     f"batch_size={config.batch_size} (or be 0: off).")
   for key in ("warmup_ratio", "dropout"):
     if not 0 <= config[key] < 1:
       raise ValueError(f"config.{key}={config[key]} must be in [0, 1).")

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 
 from acl_jax import data
 from acl_jax import gradients
+from acl_jax import models
 from acl_jax.models import bert
 from acl_jax.models import multi_exit
 
@@ -78,22 +79,27 @@ def _head_paths(params) -> list[tuple[str, ...]]:
   return heads + ([("bert", "pooler")] if "pooler" in params["bert"] else [])
 
 
-def per_exit_gated_grads(model: multi_exit.MultiExitBert, params, batch, dropout_rng,
+def per_exit_gated_grads(model: multi_exit.MultiExitBert, params, examples,
                          terms_of: Callable, *, mode: str, chunk: int = 1):
   """((loss, outputs), grads, info) as gradients.gated_value_and_grad(granularity="per_term")
   computes them for the loss terms of `model`, each exit's gradients through its own layers.
 
-  terms_of(logits [E, B, K], pooled [E, B, H], label_embeddings [E, K, H]) returns
-  ((main [E], aux [E]), outputs), weights applied. info: dot, cosine, kept, each [E].
+  examples: the model inputs (data.MODEL_INPUTS) and each example's dropout key
+  ("dropout_key", models.example_keys), every piece of the forward keyed per example as
+  objectives' whole-model forward is. terms_of(logits [E, B, K], pooled [E, B, H],
+  label_embeddings [E, K, H]) returns ((main [E], aux [E]), outputs), weights applied.
+  info: dot, cosine, kept, each [E].
   """
-  inputs = [batch[k] for k in data.MODEL_INPUTS]
-  attention_mask = batch["attention_mask"]
+  inputs = [examples[k] for k in data.MODEL_INPUTS]
+  attention_mask = examples["attention_mask"]
   exit_layers = model.resolved_exit_layers()
   n_exits = len(exit_layers)
 
-  def apply(p, *args, method):
-    return model.apply({"params": p}, *args, deterministic=False,
-                       rngs={"dropout": dropout_rng}, method=method)
+  def apply(p, *batched, method, batch_axis=0, **static):
+    def one(key, *xs):
+      return model.apply({"params": p}, *xs, deterministic=False, rngs={"dropout": key},
+                         method=method, **static)
+    return models.per_example(one, batch_axis=batch_axis)(examples["dropout_key"], *batched)
 
   # The forward, piece by piece, each piece's vjp kept for the backward passes below.
   hidden, embed_vjp = jax.vjp(
@@ -104,7 +110,7 @@ def per_exit_gated_grads(model: multi_exit.MultiExitBert, params, batch, dropout
   for layer in range(1, exit_layers[-1] + 1):
     path = (*LAYERS, str(layer - 1))
     states[layer], layer_vjps[layer] = jax.vjp(
-        lambda p, h, layer=layer, path=path: apply(_with(params, path, p), h, bias, layer,
+        lambda p, h, layer=layer, path=path: apply(_with(params, path, p), h, bias, layer=layer,
                                                     method=model.encoder_layer),
         _get(params, path), states[layer - 1])
 
@@ -114,7 +120,8 @@ def per_exit_gated_grads(model: multi_exit.MultiExitBert, params, batch, dropout
     p = params
     for path, value in zip(head_paths, head_params):
       p = _with(p, path, value)
-    out = apply(p, dict(zip(exit_layers, exit_hidden)), attention_mask, method=model.exits)
+    out = apply(p, dict(zip(exit_layers, exit_hidden)), attention_mask, method=model.exits,
+                batch_axis=1)
     (main, aux), outputs = terms_of(out["logits"], out["pooled"],
                                     multi_exit.label_embeddings(p, exit_layers))
     return jnp.concatenate([main, aux]), outputs

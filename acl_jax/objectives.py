@@ -18,6 +18,7 @@ from acl_jax import exit_gate
 from acl_jax import gradients
 from acl_jax import losses
 from acl_jax import optim
+from acl_jax import models
 from acl_jax.models import multi_exit
 
 
@@ -84,15 +85,19 @@ def task_loss(task: data.TaskSpec, logits, labels, mask) -> jax.Array:
   return losses.cross_entropy(logits, labels, mask=mask)
 
 
-def exit_outputs(model, out, params) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """(logits [E, B, K], pooled [E, B, H], label embeddings [E, K, H]) for either model.
-
-  A single-exit classifier is the one-exit case, so every objective has one implementation.
-  """
+def exit_outputs(model, out) -> tuple[jax.Array, jax.Array]:
+  """(logits [E, B, K], pooled [E, B, H]) for either model: a single-exit classifier is the
+  one-exit case, so every objective has one implementation."""
   if isinstance(model, multi_exit.MultiExitBert):
-    return (out["logits"], out["pooled"],
-            multi_exit.label_embeddings(params, model.resolved_exit_layers()))
-  return out["logits"][None], out["pooled"][None], params["classifier"]["kernel"].T[None]
+    return out["logits"], out["pooled"]
+  return out["logits"][None], out["pooled"][None]
+
+
+def label_embeddings(model, params) -> jax.Array:
+  """Each exit's label embeddings [E, K, H]: its classifier's kernel, transposed."""
+  if isinstance(model, multi_exit.MultiExitBert):
+    return multi_exit.label_embeddings(params, model.resolved_exit_layers())
+  return params["classifier"]["kernel"].T[None]
 
 
 def num_exits(model) -> int:
@@ -176,32 +181,56 @@ def make_train_step(model, tx, schedule, task: data.TaskSpec, config,
     terms["aux"] = aux
     return (weights * ce_weight * main, weights * aux), terms
 
-  def loss_terms(params, batch, dropout_rng):
-    out = model.apply({"params": params}, *(batch[k] for k in data.MODEL_INPUTS),
-                      deterministic=False, rngs={"dropout": dropout_rng})
-    return terms_of(*exit_outputs(model, out, params), batch)
+  def features(params, examples):
+    """Every exit's logits [B, E, K] and pooled vector [B, E, H], example by example (dropout
+    keyed per example: models.per_example)."""
+    def one(key, *inputs):
+      out = model.apply({"params": params}, *inputs, deterministic=False,
+                        rngs={"dropout": key})
+      return exit_outputs(model, out)
+    logits, pooled = models.per_example(one, batch_axis=1)(
+        examples["dropout_key"], *(examples[k] for k in data.MODEL_INPUTS))
+    return {"logits": logits.swapaxes(0, 1), "pooled": pooled.swapaxes(0, 1)}
 
-  def summed_loss(params, batch, dropout_rng):
-    (main, aux), terms = loss_terms(params, batch, dropout_rng)
-    return jnp.concatenate([main] if aux is None else [main, aux]).sum(), terms
+  def terms(params, features, batch):
+    """The loss terms over the whole batch, from every example's features."""
+    return terms_of(features["logits"].swapaxes(0, 1), features["pooled"].swapaxes(0, 1),
+                    label_embeddings(model, params), batch)
 
-  if n_exits > 1 and config.gate_granularity == "per_exit":
-    # Each exit's gradients through its own layers only (exit_gate: the cost floor).
-    gated_loss_and_grads = lambda params, batch, dropout_rng: exit_gate.per_exit_gated_grads(
-        model, params, batch, dropout_rng, lambda *out: terms_of(*out, batch),
-        mode=spec.gate_mode, chunk=gate_chunk)
-  else:
-    gated_loss_and_grads = gradients.gated_value_and_grad(
-        loss_terms, mode=spec.gate_mode, granularity="global", has_aux=True)
+  def whole_batch(params, examples, batch):
+    return terms(params, features(params, examples), batch)
+
+  per_exit = n_exits > 1 and config.gate_granularity == "per_exit"
+  microbatch_size = config.microbatch_size
+
+  def loss_and_grads(params, examples, batch):
+    """((loss, logged terms), grads, gate info or {})."""
+    size = batch["labels"].shape[0]
+    loss_fn = whole_batch
+    if microbatch_size and microbatch_size < size:
+      if size % microbatch_size:
+        raise ValueError(f"a batch of {size} examples does not split into micro-batches of "
+                         f"microbatch_size={microbatch_size}")
+      loss_fn = gradients.Microbatched(features, terms, size // microbatch_size)
+    if not two_gradients:
+      out, grads = gradients.value_and_grad(loss_fn, has_aux=True)(params, examples, batch)
+      return out, grads, {}
+    if per_exit and loss_fn is whole_batch:
+      # Each exit's gradients through its own layers only (exit_gate: the cost floor).
+      return exit_gate.per_exit_gated_grads(
+          model, params, examples,
+          lambda logits, pooled, label_emb: terms_of(logits, pooled, label_emb, batch),
+          mode=spec.gate_mode, chunk=gate_chunk)
+    return gradients.gated_value_and_grad(
+        loss_fn, mode=spec.gate_mode, granularity="per_term" if per_exit else "global",
+        chunk=gate_chunk, has_aux=True)(params, examples, batch)
 
   def train_step(state: optim.TrainState, batch, rng):
     dropout_rng = jax.random.fold_in(rng, state.step)
-    if two_gradients:
-      (loss, terms), grads, gate = gated_loss_and_grads(state.params, batch, dropout_rng)
-      terms.update(gate)
-    else:
-      (loss, terms), grads = jax.value_and_grad(summed_loss, has_aux=True)(
-          state.params, batch, dropout_rng)
+    examples = {**{k: batch[k] for k in data.MODEL_INPUTS},
+                "dropout_key": models.example_keys(dropout_rng, batch["labels"].shape[0])}
+    (loss, terms), grads, gate = loss_and_grads(state.params, examples, batch)
+    terms.update(gate)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     if n_exits == 1:  # one exit logs scalars, as a single-exit model should

@@ -125,6 +125,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   mesh = parallel.make_mesh(config.num_devices)
   parallel.check_batch_size(config.batch_size, mesh)
   parallel.check_batch_size(config.eval_batch_size, mesh, name="eval_batch_size")
+  if config.microbatch_size:  # every micro-batch spans every device
+    parallel.check_batch_size(config.microbatch_size, mesh, name="microbatch_size")
   is_main = parallel.is_main_process()
   run_dir.prepare_workdir(workdir, config, delete=is_main)
   if jax.process_count() > 1:  # nobody reads the workdir before process 0 has cleared it

@@ -100,3 +100,21 @@ def tiny_run_config(model_dir, glue_dir, preset: str = "rte", **overrides):
   for key, value in overrides.items():
     config[key] = value
   return config
+
+
+def keyed_forward(model, params, batch, rng, **kwargs) -> dict:
+  """The training forward as the train step keys its dropout, written out independently of
+  acl_jax.models.per_example: example i is a batch of one with key fold_in(rng, i). Returns
+  logits and pooled with the batch on axis -2 (either model's layout)."""
+  import jax
+  import jax.numpy as jnp
+  from acl_jax import data
+
+  def one(i, *inputs):
+    out = model.apply({"params": params}, *(x[None] for x in inputs), deterministic=False,
+                      rngs={"dropout": jax.random.fold_in(rng, i)}, **kwargs)
+    return {k: jnp.squeeze(out[k], -2) for k in ("logits", "pooled")}
+
+  size = batch["input_ids"].shape[0]
+  out = jax.vmap(one)(jnp.arange(size), *(batch[k] for k in data.MODEL_INPUTS))
+  return {k: jnp.moveaxis(v, 0, -2) for k, v in out.items()}

@@ -1,7 +1,7 @@
 """The ACL train step: one forward, one vjp, the gate, the update, all in one jitted function.
 
-The reference here computes the two gradients with two separate jax.grad calls (same dropout
-rng, hence the same dropout masks), gates them in NumPy, and applies the same optimizer.
+The reference here computes the two gradients with two separate jax.grad calls (the same
+per-example dropout keys, hence the same dropout masks), gates them in NumPy, and applies the same optimizer.
 """
 
 import json
@@ -19,7 +19,7 @@ from acl_jax import objectives
 from acl_jax import optim
 from acl_jax import train
 from acl_jax.models import bert
-from conftest import rte_train_batches, step_config, tiny_run_config
+from conftest import keyed_forward, rte_train_batches, step_config, tiny_run_config
 
 TEMPERATURE, LAMBDA = 0.3, 0.5
 
@@ -41,8 +41,7 @@ def setup(tiny_bert_dir, glue_dir, tmp_path_factory):
 def _reference_grads(model, params, batch, dropout_rng):
   """CE's and lambda * ACL-Embed's gradients from two separate jax.grad calls."""
   def forward(p):
-    return model.apply({"params": p}, *(batch[k] for k in data.MODEL_INPUTS),
-                       deterministic=False, rngs={"dropout": dropout_rng})
+    return keyed_forward(model, p, batch, dropout_rng)
 
   def ce_loss(p):
     return losses.cross_entropy(forward(p)["logits"], batch["labels"], mask=batch["mask"])
@@ -119,8 +118,7 @@ def test_ungated_objective_is_the_plain_sum(setup):
   config = step_config(objective="scl", aux_weight=0.3, temperature=TEMPERATURE)
   got, metrics = jax.jit(objectives.make_train_step(model, tx, schedule, task, config))(
       state, batch, rng)
-  out = model.apply({"params": params}, *(batch[k] for k in data.MODEL_INPUTS),
-                    deterministic=False, rngs={"dropout": jax.random.fold_in(rng, 0)})
+  out = keyed_forward(model, params, batch, jax.random.fold_in(rng, 0))
   ce = losses.cross_entropy(out["logits"], batch["labels"], mask=batch["mask"])
   scl = losses.scl(out["pooled"], batch["labels"], temperature=TEMPERATURE, mask=batch["mask"])
   np.testing.assert_allclose(metrics["loss"], 0.7 * ce + 0.3 * scl, rtol=1e-5)

@@ -18,8 +18,10 @@ from acl_jax import objectives
 from acl_jax import optim
 from acl_jax import run_dir
 from acl_jax import train
+from acl_jax import models
 from acl_jax.models import multi_exit
-from conftest import rte_train_batches, step_config, tiny_run_config, write_tiny_bert
+from conftest import (keyed_forward, rte_train_batches, step_config, tiny_run_config,
+                      write_tiny_bert)
 
 TEMPERATURE, LAMBDA, MU = 0.3, 0.5, 0.7
 
@@ -41,8 +43,7 @@ def setup(minilm_dir, glue_dir, tmp_path_factory):
 
 def exit_terms(model, params, batch, rng, objective):
   """Per-exit CE and aux (lambda, mu included), written out exit by exit."""
-  out = model.apply({"params": params}, *(batch[k] for k in data.MODEL_INPUTS),
-                    deterministic=False, rngs={"dropout": rng})
+  out = keyed_forward(model, params, batch, rng)
   layers = model.resolved_exit_layers()
   emb = [params[f"exit_{e}"]["classifier"]["kernel"].T for e in layers]
   labels, mask = batch["labels"], batch["mask"]
@@ -307,14 +308,15 @@ def test_exit_by_exit_backward_equals_one_vjp_of_the_whole_forward(setup, pooler
   batch, rng = batches[2], jax.random.key(11)
 
   def whole(p):
-    out = model.apply({"params": p}, *(batch[k] for k in data.MODEL_INPUTS),
-                      deterministic=False, rngs={"dropout": rng})
+    out = keyed_forward(model, p, batch, rng)
     label_emb = multi_exit.label_embeddings(p, model.resolved_exit_layers())
     return _deeper_teacher_terms(out["logits"], out["pooled"], label_emb, batch)
 
   one_vjp = jax.jit(gradients.gated_value_and_grad(whole, granularity="per_term", has_aux=True))
+  examples = {**{k: batch[k] for k in data.MODEL_INPUTS},
+              "dropout_key": models.example_keys(rng, batch["labels"].shape[0])}
   exit_by_exit = jax.jit(lambda p: exit_gate.per_exit_gated_grads(
-      model, p, batch, rng, lambda *out: _deeper_teacher_terms(*out, batch), mode="drop",
+      model, p, examples, lambda *out: _deeper_teacher_terms(*out, batch), mode="drop",
       chunk=chunk))
   (want_loss, want_logits), want_grads, want_info = one_vjp(params)
   (loss, logits), grads, info = exit_by_exit(params)

@@ -19,8 +19,9 @@ from acl_jax import train
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # Runs in a child process, since the device count is fixed when JAX starts: the same tiny
-# ACL fine-tune on 1 device and on 8 with parameters and optimizer state sharded; then a batch
-# size that 8 devices cannot split. (8 devices with the state replicated: the two-host test.)
+# ACL fine-tune on 1 device, on 8 with parameters and optimizer state sharded, and on 8 in
+# micro-batches; then a batch size that 8 devices cannot split, and micro-batches that cannot.
+# (8 devices with the state replicated: the two-host test.)
 _CHILD = r"""
 import json, pathlib, sys
 import jax, numpy as np
@@ -30,11 +31,11 @@ from tests.conftest import tiny_run_config
 model_dir, glue_dir, tmp = sys.argv[1], sys.argv[2], pathlib.Path(sys.argv[3])
 assert jax.device_count() == 8, jax.devices()
 report = {}
-for name, devices, shard in (("one", 1, False), ("sharded", 8, True)):
+for name, devices, fields in (("one", 1, {}), ("sharded", 8, {"shard_params": True}),
+                              ("microbatched", 8, {"microbatch_size": 8})):
   workdir = tmp / name
   config = tiny_run_config(model_dir, glue_dir, objective="acl", num_devices=devices,
-                           shard_params=shard, batch_size=16, max_steps=4, log_every=1,
-                           eval_every=4)
+                           batch_size=16, max_steps=4, log_every=1, eval_every=4, **fields)
   results = train.train_and_evaluate(config, workdir)
   params, _ = run_dir.load_params(workdir)
   np.savez(tmp / f"{name}.npz", **{"/".join(map(str, k)): np.asarray(v) for k, v in
@@ -51,6 +52,13 @@ try:
   report["indivisible"] = None
 except ValueError as e:
   report["indivisible"] = str(e)
+config = tiny_run_config(model_dir, glue_dir, objective="acl", batch_size=16, microbatch_size=4,
+                         max_steps=1)
+try:
+  train.train_and_evaluate(config, tmp / "micro_indivisible")
+  report["micro_indivisible"] = None
+except ValueError as e:
+  report["micro_indivisible"] = str(e)
 print("REPORT " + json.dumps(report))
 """
 
@@ -66,16 +74,19 @@ def eight_device_report(tiny_bert_dir, glue_dir, tmp_path_factory):
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
   line = next(l for l in proc.stdout.splitlines() if l.startswith("REPORT "))
   report = json.loads(line[len("REPORT "):])
-  params = {name: dict(np.load(tmp / f"{name}.npz")) for name in ("one", "sharded")}
+  params = {name: dict(np.load(tmp / f"{name}.npz"))
+            for name in ("one", "sharded", "microbatched")}
   return report, params
 
 
-def test_eight_devices_with_sharded_parameters_train_like_one(eight_device_report):
+# Sharded parameters; micro-batches of 8 (each spread over the 8 devices) with the gate and
+# the contrastive terms on the whole batch of 16.
+@pytest.mark.parametrize("name", ["sharded", "microbatched"])
+def test_eight_devices_train_like_one(eight_device_report, name):
   report, params = eight_device_report
-  name = "sharded"
   one, many = report["one"], report[name]
   assert one["mesh"]["devices"] == 1 and many["mesh"]["devices"] == 8
-  assert many["mesh"]["shard_params"]
+  assert many["mesh"]["shard_params"] == (name == "sharded")
   assert len(one["losses"]) == 4
   np.testing.assert_allclose(many["losses"], one["losses"], rtol=0, atol=1e-5)
   np.testing.assert_allclose(many["ce"], one["ce"], rtol=0, atol=1e-5)
@@ -95,6 +106,9 @@ def test_a_batch_that_does_not_split_over_the_devices_is_refused(eight_device_re
   message = eight_device_report[0]["indivisible"]
   assert message is not None
   assert "batch_size=12" in message and "8 devices" in message and "multiple of 8" in message
+  message = eight_device_report[0]["micro_indivisible"]
+  assert message is not None
+  assert "microbatch_size=4" in message and "8 devices" in message
 
 
 @pytest.mark.parametrize("environ, expected", [
