@@ -21,13 +21,13 @@ CE step instead of 8.3x. The pieces run through the model's own modules (MultiEx
 equals the single-vjp step up to float rounding.
 
 Memory: the forward's residuals (as in any backward pass), plus, for the exits in flight, two
-gradients truncated to their layers, plus the running gated sum, by design; but XLA's buffer
-assignment for this unrolled program holds more than that (MiniLM, batch 32 x 128, every layer
-an exit: 3.8 GiB of temporaries against 1.8 GiB for the single-vjp step, about 0.4 GiB more per
-exit; bert-base at batch 32 did not fit in 24 GiB on CPU), and compiling it takes minutes for
-12 layers. Both are open work. `chunk` exits are pulled back
-together as one batched backward pass from the deepest of them down (the shallower ones carry
-zero cotangents until their own layer): fewer, larger passes, at the price of those zeros.
+gradients truncated to their layers, plus the running gated sum. The chunks of exits run as the
+iterations of a lax.scan, chunk k taking branch k of a lax.switch, so XLA runs them one after
+another and reuses their buffers; unrolled, it overlapped them and held about twice the
+temporaries of a multi-exit CE step (MiniLM, batch 32 x 128: 3.8 GiB against 1.8 GiB).
+`chunk` exits are pulled back together as one batched backward pass from the deepest of them
+down (the shallower ones carry zero cotangents until their own layer): fewer, larger passes, at
+the price of those zeros.
 """
 
 from typing import Any, Callable
@@ -131,9 +131,11 @@ def per_exit_gated_grads(model: multi_exit.MultiExitBert, params, examples,
       tuple(states[layer] for layer in exit_layers), has_aux=True)
 
   eye = jnp.eye(2 * n_exits, dtype=loss_vec.dtype)
-  total = jax.tree.map(jnp.zeros_like, params)
-  infos = []
-  for first in range(0, n_exits, chunk):
+  zeros = jax.tree.map(jnp.zeros_like, params)
+
+  def gated_chunk(first):
+    """The gated sum of one chunk of exits (a full gradient tree, zero above its deepest exit)
+    and their gate info, padded to `chunk` exits."""
     members = list(range(first, min(first + chunk, n_exits)))
     # Rows: the chunk's main terms, then its auxiliary terms.
     rows = jnp.concatenate([eye[jnp.array(members)], eye[jnp.array(members) + n_exits]])
@@ -149,15 +151,27 @@ def per_exit_gated_grads(model: multi_exit.MultiExitBert, params, examples,
     (embed_grads,) = jax.vmap(embed_vjp)(cotangent)
 
     pieces = {"embeddings": embed_grads, "layers": layer_grads, "heads": head_grads}
-    c = len(members)
-    for i, member in enumerate(members):
+    c, total, infos = len(members), zeros, []
+    for i in range(c):
       g_main = jax.tree.map(lambda g, i=i: g[i], pieces)
       g_aux = jax.tree.map(lambda g, i=i: g[c + i], pieces)
       gated, info = gradients.combine(g_main, g_aux, mode=mode)
       total = _add(total, gated, head_paths)
       infos.append(info)
+    infos += [jax.tree.map(jnp.zeros_like, infos[0])] * (chunk - c)
+    return total, jax.tree.map(lambda *v: jnp.stack(v), *infos)
 
-  info = jax.tree.map(lambda *v: jnp.stack(v), *infos)
+  # One chunk per iteration of a loop, each chunk a branch of lax.switch: XLA then runs the
+  # chunks one after another and reuses one chunk's buffers for the next. Unrolled, it
+  # overlapped them and held about twice the temporaries of a CE step.
+  branches = [lambda first=first: gated_chunk(first) for first in range(0, n_exits, chunk)]
+
+  def one_chunk(total, index):
+    gated, info = jax.lax.switch(index, branches)
+    return jax.tree.map(jnp.add, total, gated), info
+
+  total, info = jax.lax.scan(one_chunk, zeros, jnp.arange(len(branches)))
+  info = jax.tree.map(lambda v: v.reshape(-1)[:n_exits], info)
   kept = info["kept"] if mode == "drop" else 1.0
   loss = loss_vec[:n_exits].sum() + (kept * loss_vec[n_exits:]).sum()
   return (loss, outputs), total, info

@@ -277,6 +277,42 @@ def block_bench_exit_gate() -> str:
   return "\n\n".join(parts)
 
 
+def block_bench_microbatch() -> str:
+  """Exact micro-batching (benchmark_microbatch.py): XLA buffers, interleaved step times, the
+  memory target, and the largest global batch within the budget, whole and micro-batched."""
+  parts = []
+  for name in _bench_files("benchmark_microbatch"):
+    rows = jsonl(name)
+    first = rows[0]
+    memory = [[str(r["batch"]), str(r["microbatch_size"] or "-"), f"{r['xla_temp_mib']:.0f}",
+               f"{r['xla_peak_mib']:.0f}", f"{r['compile_s']:.0f}"]
+              for r in rows if r["kind"] == "memory"][:3]
+    steps = [[str(r["batch"]), str(r["microbatch_size"] or "-"), f"{r['median_step_s']:.2f}",
+              ", ".join(f"{t:.1f}" for t in r["step_times_s"]), f"{r['examples_per_s']:.1f}"]
+             for r in rows if r["kind"] == "step"]
+    ratios = [[r["name"], f"{r['ratio']:.2f}", r["target"] or "-",
+               {True: "yes", False: "no", None: "-"}[r["meets_target"]]]
+              for r in rows if r["kind"] == "ratio"]
+    largest = [[str(r["microbatch_size"] or "whole"), str(r["largest_fitting_batch"]),
+                str(r["first_over_budget"] or "-"), "yes" if r["limit_reached"] else "no",
+                ", ".join(f"{p['batch']}: {p['xla_peak_mib'] / 1024:.1f}" for p in r["probes"])]
+               for r in rows if r["kind"] == "largest_batch"]
+    budget = next((r["budget_mib"] / 1024 for r in rows if r["kind"] == "largest_batch"), None)
+    parts.append(
+        f"`{name}`: {first['shape']}, objective {first['objective']}, {first['seq_len']} tokens, "
+        f"commit {short(first['git_commit'])}, {first['host_cpu']} ({first['cpus_usable']} "
+        f"cores), step times interleaved.\n\n"
+        + table(["global batch", "micro-batch", "XLA temporaries MiB", "XLA buffers MiB",
+                 "compile s"], memory) + "\n\n"
+        + table(["global batch", "micro-batch", "median step s", "the rounds, s",
+                 "examples/s"], steps) + "\n\n"
+        + table(["ratio (same run)", "value", "target", "met"], ratios)
+        + ("" if not largest else "\n\n" + table(
+            [f"micro-batch", f"largest batch within {budget:g} GiB (doubling)",
+             "first over", "search limit reached", "probes: batch: XLA buffers GiB"], largest)))
+  return "\n\n".join(parts)
+
+
 def _time_v(name) -> dict:
   text = (RECORDS / "speed" / f"{name}.time.txt").read_text()
   clock = re.search(r"Elapsed \(wall clock\) time.*: (\S+)", text).group(1).split(":")
