@@ -15,6 +15,7 @@ Defaults are the paper's (docs/method.md, "Defaults"): bert-base-uncased, max le
 """
 
 import difflib
+from collections.abc import Sequence
 from typing import Any
 
 import ml_collections
@@ -191,6 +192,30 @@ def _unknown_preset(arg, key: str, config) -> ValueError:
       f"fields ({', '.join(fields)}) and the aliases "
       f"{', '.join(f'{a}={f}' for a, f in ALIASES.items())}; nested fields take "
       "--config.<field>=value.")
+
+
+def check_overrides(argv: Sequence[str]) -> None:
+  """Raises a ValueError naming the first `--config.<field>=value` in argv whose field the
+  config lacks, with a "did you mean" and the valid fields at that level. (ml_collections
+  itself raises an AttributeError from deep inside flag parsing.)"""
+  config = defaults(data.get_task("rte"))
+  for arg in argv:
+    if not arg.startswith("--config."):
+      continue
+    flag = arg.split("=", 1)[0]
+    path = flag[len("--config."):].split(".")
+    node = config
+    for depth, key in enumerate(path):
+      if not isinstance(node, ml_collections.ConfigDict) or key not in node:
+        where = "config" + "".join(f".{k}" for k in path[:depth])
+        if not isinstance(node, ml_collections.ConfigDict):
+          raise ValueError(f"{flag}: {where} is a value, not a group of fields.")
+        fields = sorted(node.keys())
+        close = difflib.get_close_matches(key, fields, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"{flag}: {where} has no field {key!r}{hint}. Its fields: "
+                         f"{', '.join(fields)}.")
+      node = node[key]
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:

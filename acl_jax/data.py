@@ -231,6 +231,9 @@ def _load_tsv(task: TaskSpec, split: str, path: pathlib.Path, *, labeled: bool) 
 
   explicit = task.tsv_column_names if split not in task.test_splits else None
   columns, line_numbers = _scan_tsv(path, explicit)
+  if not len(line_numbers):
+    raise ValueError(f"{path}: no examples{' below its header' if explicit is None else ''}; "
+                     f"the {task.name} {split} split needs at least one row")
   wanted = list(task.text_columns) + ([task.label_column] if labeled else [])
   missing = [c for c in wanted if c not in columns]
   if missing:

@@ -21,6 +21,7 @@ import huggingface_hub.constants
 import jax
 import jax.numpy as jnp
 import numpy as np
+import safetensors
 import safetensors.flax
 import safetensors.numpy
 
@@ -225,11 +226,17 @@ def flax_to_hf(params: Mapping[str, Any]) -> dict[str, np.ndarray]:
 
 def _read_safetensors(path: pathlib.Path) -> dict[str, Any]:
   try:
-    return safetensors.numpy.load_file(path)
-  except TypeError:
-    # NumPy has no bfloat16: read such files as JAX arrays, kept on the host CPU.
-    with jax.default_device(jax.devices("cpu")[0]):
-      return safetensors.flax.load_file(path)
+    try:
+      return safetensors.numpy.load_file(path)
+    except TypeError:
+      # NumPy has no bfloat16: read such files as JAX arrays, kept on the host CPU.
+      with jax.default_device(jax.devices("cpu")[0]):
+        return safetensors.flax.load_file(path)
+  except safetensors.SafetensorError as e:
+    # safetensors' own message names neither the file nor what to do.
+    raise ValueError(f"{path}: not a readable safetensors file ({e}); it is probably "
+                     f"truncated or corrupt (an interrupted download or copy): delete it and "
+                     f"download or export it again") from e
 
 
 def _read_pickled(path: pathlib.Path) -> dict[str, np.ndarray]:

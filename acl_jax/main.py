@@ -6,6 +6,7 @@
 """
 
 import logging as std_logging
+import sys
 
 from absl import app
 from absl import flags
@@ -68,5 +69,16 @@ def main(argv):
       print(f"Wrote {hf_weights.export_hf(run, run.workdir / run_dir.EXPORT_DIR)}")
 
 
+def parse_flags(argv):
+  """absl's flag parsing, after checking every --config.<field> names a field: an unknown one
+  stops here with a message naming it, instead of an AttributeError traceback."""
+  try:
+    config_lib.check_overrides(argv[1:])
+  except ValueError as e:
+    sys.stderr.write(f"FATAL Flags parsing error: {e}\n")
+    sys.exit(1)
+  return app.parse_flags_with_usage(argv)
+
+
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

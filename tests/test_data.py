@@ -143,6 +143,17 @@ def test_crlf_line_endings(tmp_path):
   assert examples.text_b == ["b", "d"] and examples.labels.tolist() == [0, 1]
 
 
+@pytest.mark.parametrize("task, text, header", [
+    ("RTE", "index\tsentence1\tsentence2\tlabel\n", True),  # a header and nothing else
+    ("CoLA", "", False)])  # CoLA's train.tsv has no header: an empty file
+def test_a_split_without_examples_names_the_file(tmp_path, task, text, header):
+  path = _write(tmp_path, task, "train", text)
+  with pytest.raises(ValueError) as e:
+    data.load_split(task, "train", glue_dir=tmp_path)
+  assert str(path) in str(e.value) and "no examples" in str(e.value)
+  assert ("below its header" in str(e.value)) == header
+
+
 @pytest.mark.parametrize("bad_row,found", [("2\tc\td\tentailment\textra", 5), ("2\tc\td", 3)])
 def test_wrong_field_count_names_file_and_line(tmp_path, bad_row, found):
   path = _write(tmp_path, "RTE", "train",

@@ -191,3 +191,15 @@ def test_directory_without_weights(tmp_path):
   (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
   with pytest.raises(FileNotFoundError, match="No weights in"):
     hf_weights.load_bert_params(tmp_path)
+
+
+@pytest.mark.parametrize("cut", [8, 100])  # inside the header; inside the tensors
+def test_truncated_safetensors_names_the_file(tiny_bert_dir, tmp_path, cut):
+  broken = tmp_path / "broken"
+  shutil.copytree(tiny_bert_dir, broken)
+  weights = broken / "model.safetensors"
+  content = weights.read_bytes()
+  weights.write_bytes(content[:cut] if cut < 50 else content[:-cut])
+  with pytest.raises(ValueError) as e:
+    hf_weights.load_bert_params(broken)
+  assert str(weights) in str(e.value) and "truncated or corrupt" in str(e.value)

@@ -58,7 +58,14 @@ def test_cli_rejects_an_unknown_config_field(glue_dir, tmp_path):
   proc = run_main("--config=configs/glue.py:rte", "--config.learning_rat=1e-4",
                   f"--workdir={tmp_path}", glue_dir=glue_dir)
   assert proc.returncode != 0
-  assert "learning_rat" in proc.stderr
+  # One line naming the flag, the close field and the valid ones: no traceback.
+  assert "--config.learning_rat: config has no field 'learning_rat'" in proc.stderr
+  assert "did you mean 'learning_rate'?" in proc.stderr and "aux_weight" in proc.stderr
+  assert "Traceback" not in proc.stderr
+  proc = run_main("--config=configs/glue.py:rte", "--config.data.glue_dri=/x",
+                  f"--workdir={tmp_path}", glue_dir=glue_dir)
+  assert proc.returncode != 0 and "config.data has no field 'glue_dri'" in proc.stderr
+  assert "did you mean 'glue_dir'?" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_cli_rejects_an_unknown_task_listing_valid_ones(glue_dir, tmp_path):

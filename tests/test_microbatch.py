@@ -1,6 +1,10 @@
 """Exact micro-batching: a batch run in micro-batches gives the unsplit step's loss, gradients,
 gate decisions and update, with every contrastive term over the whole batch."""
 
+import functools
+import pathlib
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -137,6 +141,7 @@ def test_an_example_sees_the_same_dropout_in_any_batch(tiny_bert_dir):
   params = model.init(jax.random.key(0), *(x[:1] for x in inputs))["params"]
   keys = models.example_keys(jax.random.key(7), 6)
 
+  @functools.partial(jax.jit, static_argnames="deterministic")
   def forward(keys, *inputs, deterministic=False):
     one = lambda key, *x: model.apply({"params": params}, *x, deterministic=deterministic,
                                       rngs={"dropout": key})["logits"]
@@ -186,7 +191,7 @@ def test_microbatched_step_equals_the_unsplit_step(setup, multi, objective, gran
   before, want_params, want = one_step(model, task, batch, objective=objective,
                                        gate_granularity=granularity)
   assert set(want) >= {"loss", "ce", "aux", "dot", "cosine", "kept", "grad_norm"}
-  for microbatch_size in (8, 4):
+  for microbatch_size in ((8, 4) if not multi else (4,)):  # (8, 4): the MLP tests split more
     _, params, got = one_step(model, task, batch, objective=objective,
                               gate_granularity=granularity, microbatch_size=microbatch_size)
     for key in want:
@@ -214,3 +219,31 @@ def test_microbatch_size_must_divide_the_batch():
   with pytest.raises(ValueError, match=r"microbatch_size=-8"):
     config_lib.get_config("rte,microbatch_size=-8")
   assert config_lib.get_config("rte,batch_size=128,microbatch_size=32").microbatch_size == 32
+
+
+def test_the_readme_examples_run_and_agree():
+  # The README's two snippets (the transform on a plain-JAX model, then the same loss
+  # micro-batched) run as written, and the micro-batched gate equals the unsplit one.
+  readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+  section = readme.split("## Using the losses and the gate in your own JAX code")[1]
+  section = section.split("\n## Batches larger than memory")[0]
+  blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+  assert len(blocks) == 2
+  rng = np.random.default_rng(0)
+  namespace = {
+      "params": {"encoder": jnp.asarray(rng.normal(size=(5, 6)), jnp.float32),
+                 "classifier": jnp.asarray(rng.normal(size=(6, 3)), jnp.float32),
+                 "bias": jnp.zeros(3, jnp.float32)},
+      "x": jnp.asarray(rng.normal(size=(8, 5)), jnp.float32),
+      "labels": jnp.asarray(rng.integers(0, 3, size=8)), "mask": jnp.ones(8, jnp.float32)}
+  exec(blocks[0], namespace)  # pylint: disable=exec-used
+  ns = namespace
+  params, opt_state, loss, info = ns["step"](ns["params"], ns["tx"].init(ns["params"]), ns["x"],
+                                             ns["labels"], ns["mask"])
+  assert np.isfinite(loss) and set(info) == {"dot", "cosine", "kept"}
+  want_loss, want_grads, want_info = ns["acl_grad"](ns["params"], ns["x"], ns["labels"],
+                                                    ns["mask"])
+  exec(blocks[1], namespace)  # pylint: disable=exec-used
+  np.testing.assert_allclose(ns["loss"], want_loss, rtol=1e-5)
+  np.testing.assert_allclose(ns["info"]["dot"], want_info["dot"], rtol=1e-4, atol=1e-7)
+  np.testing.assert_allclose(flat(ns["grads"]), flat(want_grads), rtol=1e-5, atol=1e-6)
