@@ -60,7 +60,7 @@ RENAMED_FIELDS = {"lambda": "aux_weight", "gate": "gate_granularity",
                   "pooler": "pooler_weights", "exit_pooling": "pooler_input"}
 # Config fields added after runs were recorded, with the value those runs had: a config.json
 # without one reads as holding it.
-ADDED_FIELDS = {"pooler_input": "cls"}
+ADDED_FIELDS = {"pooler_input": "cls", "microbatch_size": 0}
 
 
 def upgrade_config(saved: dict[str, Any]) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from acl_jax import exit_gate
 from acl_jax import hf_weights
 from acl_jax import host
 from acl_jax import losses
+from acl_jax import models
 from acl_jax import objectives
 from acl_jax import optim
 from acl_jax.models import bert
@@ -161,10 +162,12 @@ def prepare_jax(shape: str, objective: str, batch_np, args, config) -> Prepared:
   multi = objective in MULTI_EXIT_OBJECTIVES
   objective, gate = MULTI_EXIT_OBJECTIVES.get(objective, (objective, "per_exit"))
   if multi:
-    model = multi_exit.MultiExitBert(config=model_config, num_labels=2)
+    model = multi_exit.MultiExitBert(config=model_config, num_labels=2,
+                                     dtype=models.DTYPES[args.dtype])
     weights = multi_exit.exit_weights("asc", model.resolved_exit_layers())
   else:
-    model = bert.BertForSequenceClassification(config=model_config, num_labels=2)
+    model = bert.BertForSequenceClassification(config=model_config, num_labels=2,
+                                               dtype=models.DTYPES[args.dtype])
     weights = None
   dummy = jnp.zeros((1, 8), jnp.int32)
   params = jax.jit(model.init)(jax.random.key(0), dummy, dummy, dummy)["params"]
@@ -442,6 +445,8 @@ def parse_args(argv=None):
   p.add_argument("--pretrained_minilm", action="store_true",
                  help="load the installed MiniLM weights for the minilm shape (same speed)")
   p.add_argument("--seed", type=int, default=0, help="seed of the random batch")
+  p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                 help="JAX rows: compute dtype (parameters stay float32)")
   p.add_argument("--gate_chunk", type=int, default=1,
                  help="multi-exit rows: exits per chunk of the per-exit gate (memory bound)")
   p.add_argument("--quick", action="store_true",
@@ -476,7 +481,7 @@ def main(argv=None) -> list[dict]:
   batch_np = make_batch(np.random.default_rng(args.seed), args.batch_size, args.seq_len)
   meta = host.run_metadata()
   common = {"batch": args.batch_size, "seq_len": args.seq_len, "warmup": args.warmup,
-            "steps": args.steps, "host_cpu": host.cpu_model(),
+            "steps": args.steps, "dtype": args.dtype, "host_cpu": host.cpu_model(),
             "cpus_usable": host.cpus_usable(), "git_commit": meta["git_commit"],
             "python": meta["python"]}
   versions = {"jax": {k: meta["versions"][k] for k in ("jax", "jaxlib", "flax", "optax")}}

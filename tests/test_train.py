@@ -160,7 +160,9 @@ def test_eval_counts_every_dev_example_once(tiny_bert_dir, glue_dir, tmp_path):
 
 
 def test_train_step_fits_one_batch(tiny_bert_dir, glue_dir, tmp_path):
-  """The compiled step (donated state, dropout on) drives CE on one fixed batch towards 0."""
+  """The compiled step (donated state, dropout on) drives CE on one fixed batch towards 0.
+  (60 steps: with dropout keyed per example, since commit ba47c14, this batch's loss stays near
+  0.6 for about 28 steps before it falls, and was 0.095 at step 40.)"""
   from acl_jax import hf_weights
   from acl_jax.models import bert
 
@@ -179,12 +181,12 @@ def test_train_step_fits_one_batch(tiny_bert_dir, glue_dir, tmp_path):
                            opt_state=tx.init(params))
   step = jax.jit(objectives.make_train_step(model, tx, schedule, task, config), donate_argnums=0)
   losses = []
-  for _ in range(40):
+  for _ in range(60):
     state, m = step(state, batch, jax.random.key(1))
     losses.append(float(m["loss"]))
   assert losses[0] > 0.5  # near log(2) at random init
   assert losses[-1] < 0.05, losses
-  assert int(state.step) == 40
+  assert int(state.step) == 60
 
 
 def test_stsb_regression_end_to_end(tiny_bert_dir, glue_dir, tmp_path):
