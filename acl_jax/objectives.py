@@ -17,8 +17,8 @@ from acl_jax import data
 from acl_jax import exit_gate
 from acl_jax import gradients
 from acl_jax import losses
-from acl_jax import optim
 from acl_jax import models
+from acl_jax import optim
 from acl_jax.models import multi_exit
 
 
