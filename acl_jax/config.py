@@ -122,6 +122,10 @@ def defaults(task: data.TaskSpec) -> ml_collections.ConfigDict:
   # Steps between checkpoints (<workdir>/checkpoints, async); runs also save at every
   # evaluation and at the end. Rerunning the same command resumes from the latest one.
   config.checkpoint_every = 200
+  # Also save when this many minutes have passed since the last save (checked at each log
+  # point), for machines that vanish without a SIGTERM; 0 = off. A SIGTERM or Ctrl-C always
+  # saves at the step the run is at (acl_jax.preemption).
+  config.checkpoint_every_minutes = 0.0
   # Rerunning in a workdir that holds another config's run is refused unless this is set
   # (the `overwrite` preset): then that run's outputs are deleted first.
   config.overwrite = False
@@ -270,8 +274,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
   for key in ("batch_size", "eval_batch_size", "num_epochs", "max_length", "log_every"):
     if config[key] <= 0:
       raise ValueError(f"config.{key}={config[key]} must be positive.")
-  for key in ("max_steps", "eval_every", "checkpoint_every", "num_devices", "aux_weight",
-              "cl_weight", "weight_decay"):
+  for key in ("max_steps", "eval_every", "checkpoint_every", "checkpoint_every_minutes",
+              "num_devices", "aux_weight", "cl_weight", "weight_decay"):
     if config[key] < 0:
       raise ValueError(f"config.{key}={config[key]} must be >= 0.")
   if config.microbatch_size < 0 or (config.microbatch_size

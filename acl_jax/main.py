@@ -18,6 +18,7 @@ from acl_jax import early_exit
 from acl_jax import hf_weights
 from acl_jax import host
 from acl_jax import parallel
+from acl_jax import preemption
 from acl_jax import run_dir
 from acl_jax import train
 
@@ -27,7 +28,8 @@ _CONFIG = config_flags.DEFINE_config_file(
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (config, metrics, results).")
 _MODE = flags.DEFINE_enum(
     "mode", "train", ["train", "early_exit", "export"],
-    "train: fine-tune (resumes from <workdir>/checkpoints when rerun); early_exit: sweep the "
+    "train: fine-tune (resumes from <workdir>/checkpoints when rerun; on SIGTERM or Ctrl-C "
+    f"saves at the current step and exits with code {preemption.EXIT_CODE}); early_exit: sweep the "
     "exit policies of a trained multi-exit run, write early_exit.json and early_exit.png; "
     "export: write <workdir>/hf_export, an HF BertForSequenceClassification directory.")
 _PARAMS = flags.DEFINE_enum("params", "latest", ["latest", "best"],
@@ -57,7 +59,10 @@ def main(argv):
       raise app.UsageError("--mode=train needs --config, e.g. --config=configs/glue.py:rte")
     config_lib.validate(_CONFIG.value)  # --config.<field> overrides, before loading anything
     parallel.initialize_distributed()  # multi-host: joins the job; else a no-op
-    train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+    try:
+      train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+    except preemption.Preempted:
+      sys.exit(preemption.EXIT_CODE)  # the loop has saved and said so
     return
   # The run directory's config.json says what was trained; --config is not needed.
   with run_dir.logging_to(run_dir.resolve(_WORKDIR.value)):

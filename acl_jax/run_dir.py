@@ -52,15 +52,17 @@ CHECKPOINT_DIR = "checkpoints"
 RUN_OUTPUTS = (CONFIG_FILE, METRICS_FILE, EVAL_RESULTS_FILE, EARLY_EXIT_FILE, EARLY_EXIT_PLOT,
                LOG_FILE, CHECKPOINT_DIR)
 # Config fields that may differ between a run and its resumption.
-# A run may resume on another number of devices (bitwise equality then no longer holds).
-RESUMABLE_CHANGES = ("overwrite", "num_devices", "shard_params")
+# A run may resume on another number of devices (bitwise equality then no longer holds), and
+# save more or less often.
+RESUMABLE_CHANGES = ("overwrite", "num_devices", "shard_params", "checkpoint_every",
+                     "checkpoint_every_minutes")
 # Config fields renamed after runs were recorded: old name -> new name. A config.json that
 # holds an old name reads as holding the new one, so recorded runs load, resume and export.
 RENAMED_FIELDS = {"lambda": "aux_weight", "gate": "gate_granularity",
                   "pooler": "pooler_weights", "exit_pooling": "pooler_input"}
 # Config fields added after runs were recorded, with the value those runs had: a config.json
 # without one reads as holding it.
-ADDED_FIELDS = {"pooler_input": "cls", "microbatch_size": 0}
+ADDED_FIELDS = {"pooler_input": "cls", "microbatch_size": 0, "checkpoint_every_minutes": 0.0}
 
 
 def upgrade_config(saved: dict[str, Any]) -> dict[str, Any]:

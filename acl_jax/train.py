@@ -26,6 +26,7 @@ from acl_jax import models
 from acl_jax import objectives
 from acl_jax import optim
 from acl_jax import parallel
+from acl_jax import preemption
 from acl_jax import run_dir
 from acl_jax.models import multi_exit
 
@@ -131,12 +132,26 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   run_dir.prepare_workdir(workdir, config, delete=is_main)
   if jax.process_count() > 1:  # nobody reads the workdir before process 0 has cleared it
     multihost_utils.sync_global_devices("prepare_workdir")
-  with run_dir.logging_to(workdir if is_main else None):
-    return _train(config, workdir, task, mesh, is_main)
+  with (run_dir.logging_to(workdir if is_main else None),
+        preemption.StopRequests().installed() as stop_requests):
+    return _train(config, workdir, task, mesh, is_main, stop_requests)
 
 
-def _train(config, workdir: pathlib.Path, task: data.TaskSpec, mesh, is_main: bool
-           ) -> dict[str, Any]:
+def timed_save_due(last_save: float, minutes: float) -> bool:
+  """Whether `minutes` have passed since the monotonic time `last_save` (0: never).
+
+  Process 0's clock decides for every host: each must save at the same step.
+  """
+  if minutes <= 0:
+    return False
+  due = time.monotonic() - last_save >= 60 * minutes
+  if jax.process_count() > 1:
+    due = bool(multihost_utils.broadcast_one_to_all(np.asarray(due)))
+  return due
+
+
+def _train(config, workdir: pathlib.Path, task: data.TaskSpec, mesh, is_main: bool,
+           stop_requests: preemption.StopRequests) -> dict[str, Any]:
   ckpt_dir, bert_config, tokenizer = hf_weights.load_backbone(config)
   pretrained = hf_weights.load_bert_params(ckpt_dir, bert_config,
                                            allow_pickle=config.allow_pickle)
@@ -200,6 +215,7 @@ def _train(config, workdir: pathlib.Path, task: data.TaskSpec, mesh, is_main: bo
                        desc=f"{task.name} train", unit="step", dynamic_ncols=True,
                        disable=None if is_main else True)
   plain_progress_at = time.perf_counter()
+  saved_at = time.monotonic()
   for stage_index, stage in enumerate(stages):
     if stage_index < resume["stage_index"]:
       continue  # finished before the restart; its params are in the restored state
@@ -237,10 +253,14 @@ def _train(config, workdir: pathlib.Path, task: data.TaskSpec, mesh, is_main: bo
         last = step == stage_end
         if position == steps_per_epoch or last:  # the next batch opens the next epoch
           epoch, position = epoch + 1, 0
+        # A stop request (SIGTERM, Ctrl-C) saves at this step; every host agrees on it.
+        stop = stop_requests.reached(step)
         evaluate_now = step % eval_every == 0 or last
-        save_now = (config.checkpoint_every > 0 and step % config.checkpoint_every == 0
-                    or evaluate_now)
-        if step % config.log_every == 0 or evaluate_now or save_now:
+        log_now = step % config.log_every == 0 or evaluate_now or stop
+        save_now = (evaluate_now or stop
+                    or config.checkpoint_every > 0 and step % config.checkpoint_every == 0
+                    or log_now and timed_save_due(saved_at, config.checkpoint_every_minutes))
+        if log_now or save_now:
           window = jax.device_get(window)  # the only host sync between evaluations
           check_finite(window, step - len(window) + 1)
           elapsed = time.perf_counter() - window_start
@@ -285,7 +305,17 @@ def _train(config, workdir: pathlib.Path, task: data.TaskSpec, mesh, is_main: bo
                 "position": position, "train_seconds": train_seconds,
                 "train_examples": train_examples, "compilations": compilations + traces(),
                 "history": history, "best": best})
+            saved_at = time.monotonic()
           window_start = time.perf_counter()
+        if stop:
+          progress.close()
+          writer.close()
+          run_checkpoints.close()  # the save is on disk before the process may go
+          preempted = preemption.Preempted(
+              step, str(run_checkpoints.directory / "latest" / str(step)))
+          logging.warning("%s at step %d: %s", stop_requests.signal_name, step, preempted)
+          console(f"{stop_requests.signal_name} at step {step}/{progress.total}: {preempted}")
+          raise preempted
         if position == 0:
           break  # the epoch (or the stage) is done
     params = state.params
