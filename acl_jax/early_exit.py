@@ -25,11 +25,12 @@ The same `policy_step` drives both paths, so they cannot disagree by constructio
 
 import dataclasses
 import functools
+import io
 import math
-import pathlib
 import time
 from typing import Any, Callable, Iterable, Sequence
 
+from etils import epath
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -583,8 +584,10 @@ def plot(results: Sequence[dict[str, Any]], path, *, labels: Sequence[str] | Non
   ax.grid(alpha=0.3)
   ax.legend(fontsize=7, ncol=2)
   fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  png = io.BytesIO()  # then written through epath: `path` may be in an object store
+  fig.savefig(png, format="png", dpi=120)
   plt.close(fig)
+  epath.Path(path).write_bytes(png.getvalue())
 
 
 def run_on_workdir(workdir, *, which: str = "latest", max_examples: int | None = None,
@@ -595,9 +598,8 @@ def run_on_workdir(workdir, *, which: str = "latest", max_examples: int | None =
   result = sweep(run, max_examples=max_examples, measure=measure, log=log)
   result["params"] = which
   result["meta"] = host.run_metadata()
-  out = pathlib.Path(run.workdir)
-  run_dir.write_json(out / run_dir.EARLY_EXIT_FILE, result)
-  plot([result], out / run_dir.EARLY_EXIT_PLOT)
+  run_dir.write_json(run.workdir / run_dir.EARLY_EXIT_FILE, result)
+  plot([result], run.workdir / run_dir.EARLY_EXIT_PLOT)
   for name, rows in result["policies"].items():
     for row in rows:
       measured = (f", measured {row['measured_speedup_ratio']:.2f}x "

@@ -15,7 +15,6 @@ from ml_collections import config_flags
 
 from acl_jax import config as config_lib
 from acl_jax import early_exit
-from acl_jax import hf_weights
 from acl_jax import host
 from acl_jax import parallel
 from acl_jax import preemption
@@ -71,7 +70,7 @@ def main(argv):
                                 max_examples=_MAX_EXAMPLES.value, log=print)
     elif _MODE.value == "export":
       run = run_dir.load_trained_run(_WORKDIR.value, which=_PARAMS.value)
-      print(f"Wrote {hf_weights.export_hf(run, run.workdir / run_dir.EXPORT_DIR)}")
+      print(f"Wrote {run_dir.write_export(run)}")
 
 
 def parse_flags(argv):

@@ -15,6 +15,12 @@ metrics file, the orbax checkpoints, and loading a trained run back.
     <workdir>/checkpoints/best/<step>/params       params at the best dev evaluation so far
     <workdir>/checkpoints/best/<step>/progress     JSON: that evaluation
 
+A workdir is any path etils.epath (orbax's own path type) reaches: a local directory, or an
+object store such as gs://bucket/run (with gcsfs installed: the `gcs` extra). Every file here
+is read and written through epath. Object stores have no append, so metrics.jsonl and run.log
+are rewritten whole there: metrics.jsonl at every checkpoint save and at the end, run.log when
+the command ends.
+
 Dropout keys derive from (seed, stage, step) and each epoch's batch order from (seed, epoch),
 so the progress record is all a restarted run needs to continue exactly. Orbax writes each step
 to a temporary directory and renames it when complete, so a kill mid-save leaves the previous
@@ -23,15 +29,18 @@ checkpoint as the latest: a half-written one is never restored.
 
 import contextlib
 import dataclasses
+import io
 import json
 import logging
+import os
 import pathlib
-import shutil
+import tempfile
 from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
 import ml_collections
+from etils import epath
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -75,9 +84,9 @@ def upgrade_config(saved: dict[str, Any]) -> dict[str, Any]:
   return upgraded
 
 
-def read_config(workdir: pathlib.Path) -> ml_collections.ConfigDict:
+def read_config(workdir: epath.PathLike) -> ml_collections.ConfigDict:
   """The config a run directory was trained with, in today's field names."""
-  path = pathlib.Path(workdir) / CONFIG_FILE
+  path = epath.Path(workdir) / CONFIG_FILE
   try:
     return ml_collections.ConfigDict(upgrade_config(json.loads(path.read_text())["config"]))
   except FileNotFoundError:
@@ -87,17 +96,41 @@ def read_config(workdir: pathlib.Path) -> ml_collections.ConfigDict:
     raise ValueError(f"{path}: unreadable run directory ({type(e).__name__}: {e})") from e
 
 
-def write_json(path: pathlib.Path, content: dict[str, Any]) -> None:
-  path.write_text(json.dumps(content, indent=2, default=str) + "\n")
+def write_json(path: epath.PathLike, content: dict[str, Any]) -> None:
+  epath.Path(path).write_text(json.dumps(content, indent=2, default=str) + "\n")
 
 
-def resolve(workdir) -> pathlib.Path:
-  """The absolute path of a --workdir (orbax needs absolute paths)."""
-  return pathlib.Path(workdir).expanduser().resolve()
+def is_local(path: epath.PathLike) -> bool:
+  """Whether a path is on this machine's file system (not gs://, s3://, ...)."""
+  return "://" not in os.fspath(path)
+
+
+def resolve(workdir: epath.PathLike) -> epath.Path:
+  """A --workdir as an absolute epath.Path (orbax needs absolute paths); gs://... as given."""
+  if not is_local(workdir):
+    return epath.Path(workdir)
+  return epath.Path(pathlib.Path(workdir).expanduser().resolve())
+
+
+class _ObjectLogHandler(logging.StreamHandler):
+  """Log records kept in memory and appended to `path` when closed: object stores have no
+  append."""
+
+  def __init__(self, path: epath.Path):
+    super().__init__(io.StringIO())
+    self._path = path
+
+  def close(self):
+    self.flush()
+    text, self.stream = self.stream.getvalue(), io.StringIO()  # logging may close it twice
+    if text:
+      earlier = self._path.read_text() if self._path.exists() else ""
+      self._path.write_text(earlier + text)
+    super().close()
 
 
 @contextlib.contextmanager
-def logging_to(workdir: pathlib.Path | None) -> Iterator[None]:
+def logging_to(workdir: epath.PathLike | None) -> Iterator[None]:
   """Sends every library log record (orbax, absl, ours) to <workdir>/run.log, appended, while
   the block runs (nowhere when workdir is None or does not exist).
 
@@ -105,10 +138,12 @@ def logging_to(workdir: pathlib.Path | None) -> Iterator[None]:
   (orbax dumps its options at INFO for every checkpoint manager) is kept here for when
   something goes wrong.
   """
-  if workdir is None or not pathlib.Path(workdir).is_dir():
+  if workdir is None or not epath.Path(workdir).is_dir():
     yield
     return
-  handler = logging.FileHandler(pathlib.Path(workdir) / LOG_FILE)
+  path = epath.Path(workdir) / LOG_FILE
+  handler = (logging.FileHandler(os.fspath(path)) if is_local(path)
+             else _ObjectLogHandler(path))
   handler.setFormatter(logging.Formatter(
       "%(asctime)s %(levelname).1s %(filename)s:%(lineno)d] %(message)s"))
   handler.setLevel(logging.INFO)
@@ -128,30 +163,45 @@ class MetricsWriter:
   """Writes one JSON object per line to <workdir>/metrics.jsonl (METRICS_FILE).
 
   A fresh run starts the file anew; a resumed run keeps the lines up to its checkpoint's step
-  (later ones came from the interrupted process and will be logged again) and appends.
+  (later ones came from the interrupted process and will be logged again) and appends. A
+  local file gets each line as it is written; an object (gs://...) is rewritten whole at each
+  flush() (the loop flushes at every checkpoint save) and at close().
   """
 
-  def __init__(self, path: pathlib.Path, *, keep_through: int | None = None,
+  def __init__(self, path: epath.PathLike, *, keep_through: int | None = None,
                active: bool = True):
-    self._file = None  # processes other than 0 write nothing
+    self._path = epath.Path(path)
+    self._file = None
+    self._lines = []  # of an object; a local file is appended to instead
+    self._active = active  # processes other than 0 write nothing
     if not active:
       return
-    if keep_through is not None and path.exists():
-      kept = [line for line in path.read_text().splitlines()
+    kept = []
+    if keep_through is not None and self._path.exists():
+      kept = [line + "\n" for line in self._path.read_text().splitlines()
               if line.strip() and json.loads(line)["step"] <= keep_through]
-      path.write_text("".join(line + "\n" for line in kept))
-      self._file = open(path, "a")
+    self._path.write_text("".join(kept))
+    if is_local(self._path):
+      self._file = open(os.fspath(self._path), "a")
     else:
-      self._file = open(path, "w")
+      self._lines = kept
 
   def write(self, step: int, values: dict[str, Any]) -> None:
-    if self._file is None:
+    if not self._active:
       return
     row = {"step": int(step), **{k: to_python(v) for k, v in values.items()}}
+    if self._file is None:
+      self._lines.append(json.dumps(row) + "\n")
+      return
     self._file.write(json.dumps(row) + "\n")
     self._file.flush()
 
+  def flush(self) -> None:
+    if self._active and self._file is None:
+      self._path.write_text("".join(self._lines))
+
   def close(self) -> None:
+    self.flush()
     if self._file is not None:
       self._file.close()
 
@@ -161,7 +211,7 @@ def to_python(value):
   return value.item() if value.ndim == 0 else value.tolist()
 
 
-def prepare_workdir(workdir: pathlib.Path, config, *, delete: bool = True) -> None:
+def prepare_workdir(workdir: epath.Path, config, *, delete: bool = True) -> None:
   """Refuses a workdir that holds a run with another config, unless config.overwrite.
 
   The same config resumes (or, with no checkpoint yet, starts over); config.overwrite deletes
@@ -174,7 +224,7 @@ def prepare_workdir(workdir: pathlib.Path, config, *, delete: bool = True) -> No
     for name in RUN_OUTPUTS if delete else ():
       path = workdir / name
       if path.is_dir():
-        shutil.rmtree(path)
+        path.rmtree()
       elif path.exists():
         path.unlink()
     return
@@ -224,7 +274,7 @@ def all_finite(tree) -> bool:
   return bool(jax.device_get(jnp.all(jnp.stack(leaves)))) if leaves else True
 
 
-def _manager(directory: pathlib.Path, items: tuple[str, ...], *, async_save: bool,
+def _manager(directory: epath.Path, items: tuple[str, ...], *, async_save: bool,
              read_only: bool = False) -> ocp.CheckpointManager:
   options = ocp.CheckpointManagerOptions(max_to_keep=1, create=not read_only,
                                          enable_async_checkpointing=async_save,
@@ -235,8 +285,8 @@ def _manager(directory: pathlib.Path, items: tuple[str, ...], *, async_save: boo
 class RunCheckpoints:
   """The latest train state (to resume) and the best params (by dev metric) of one run."""
 
-  def __init__(self, workdir: pathlib.Path, *, async_save: bool = True):
-    root = pathlib.Path(workdir) / CHECKPOINT_DIR
+  def __init__(self, workdir: epath.PathLike, *, async_save: bool = True):
+    root = epath.Path(workdir) / CHECKPOINT_DIR
     self.directory = root
     self._latest = _manager(root / "latest", ("state", "progress"), async_save=async_save)
     self._best = _manager(root / "best", ("params", "progress"), async_save=async_save)
@@ -294,7 +344,7 @@ class RunCheckpoints:
     self._best.close()
 
 
-def load_params(workdir: pathlib.Path, abstract_params=None, *, which: str = "latest"
+def load_params(workdir: epath.PathLike, abstract_params=None, *, which: str = "latest"
                 ) -> tuple[Any, int]:
   """(params, global step) of a finished or interrupted run: `latest` (the final params once
   training has finished) or `best` (the best dev evaluation).
@@ -303,7 +353,7 @@ def load_params(workdir: pathlib.Path, abstract_params=None, *, which: str = "la
   """
   if which not in ("latest", "best"):
     raise ValueError(f"which={which!r}; use latest or best")
-  directory = pathlib.Path(workdir) / CHECKPOINT_DIR / which
+  directory = epath.Path(workdir) / CHECKPOINT_DIR / which
   if not directory.is_dir():
     raise FileNotFoundError(f"{directory} does not exist: {workdir} holds no {which} checkpoint "
                             "(train first: python -m acl_jax.main --workdir=...)")
@@ -335,7 +385,7 @@ def load_params(workdir: pathlib.Path, abstract_params=None, *, which: str = "la
 class TrainedRun:
   """A run directory's model and trained parameters, rebuilt from config.json and
   checkpoints/ (for early exit and export)."""
-  workdir: pathlib.Path
+  workdir: epath.Path
   config: ml_collections.ConfigDict
   task: data.TaskSpec
   model: Any
@@ -351,6 +401,18 @@ class TrainedRun:
                              max_length=self.config.max_length,
                              glue_dir=data.resolve_glue_dir(self.config.data.glue_dir),
                              cache_dir=self.config.data.cache_dir)
+
+
+def write_export(run: "TrainedRun") -> epath.Path:
+  """<workdir>/hf_export (hf_weights.export_hf); staged in a local directory first when the
+  workdir is an object store, since transformers writes local files only."""
+  out = run.workdir / EXPORT_DIR
+  if is_local(out):
+    return epath.Path(hf_weights.export_hf(run, out))
+  with tempfile.TemporaryDirectory() as staging:
+    for path in hf_weights.export_hf(run, staging).iterdir():
+      (out / path.name).write_bytes(path.read_bytes())
+  return out
 
 
 def load_trained_run(workdir, *, which: str = "latest") -> TrainedRun:

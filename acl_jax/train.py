@@ -5,11 +5,11 @@ acl_jax.optim; everything written under the workdir goes through acl_jax.run_dir
 """
 
 import functools
-import pathlib
 import time
 from typing import Any, Callable
 
 from absl import logging
+from etils import epath
 import jax
 import jax.numpy as jnp
 from jax.experimental import multihost_utils
@@ -150,7 +150,7 @@ def timed_save_due(last_save: float, minutes: float) -> bool:
   return due
 
 
-def _train(config, workdir: pathlib.Path, task: data.TaskSpec, mesh, is_main: bool,
+def _train(config, workdir: epath.Path, task: data.TaskSpec, mesh, is_main: bool,
            stop_requests: preemption.StopRequests) -> dict[str, Any]:
   ckpt_dir, bert_config, tokenizer = hf_weights.load_backbone(config)
   pretrained = hf_weights.load_bert_params(ckpt_dir, bert_config,
@@ -305,6 +305,7 @@ def _train(config, workdir: pathlib.Path, task: data.TaskSpec, mesh, is_main: bo
                 "position": position, "train_seconds": train_seconds,
                 "train_examples": train_examples, "compilations": compilations + traces(),
                 "history": history, "best": best})
+            writer.flush()  # an object store's metrics.jsonl as far as this checkpoint
             saved_at = time.monotonic()
           window_start = time.perf_counter()
         if stop:
