@@ -78,12 +78,12 @@ def train_rows(rows: list[dict]) -> list[dict]:
 
 
 def assert_trains_like(rows, reference_rows, *, moved: float, label: str):
-  """Per-step loss, CE, aux, grad_norm and gate decisions equal the 1-device run's; the run
+  """Per-step grad_norm, loss, CE, aux and gate decisions equal the 1-device run's; the run
   moved its parameters far beyond the tolerance they are compared at; the gate dropped the
   auxiliary gradient on at least one step (else a bug in the dropped branch would pass)."""
   ours, theirs = train_rows(rows), train_rows(reference_rows)
   assert [r["step"] for r in ours] == [r["step"] for r in theirs] == [1, 2, 3, 4], label
-  for key in ("loss", "ce", "aux", "grad_norm"):
+  for key in ("grad_norm", "loss", "ce", "aux"):
     np.testing.assert_allclose([r[key] for r in ours], [r[key] for r in theirs], rtol=1e-5,
                                atol=ATOL, err_msg=f"{label}: {key}")
   assert [r["kept"] for r in ours] == [r["kept"] for r in theirs], label
