@@ -16,6 +16,15 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Tokenized GLUE splits shared by this process's test runs (keyed by text and tokenizer, so
 # sharing is safe); tests of the cache itself use their own directories.
 TOKEN_CACHE = pathlib.Path(tempfile.mkdtemp(prefix="acl_jax_test_tokens_"))
+# JAX's persistent compilation cache, fresh for each test process: a test's reference run, a
+# resumed run and a rerun under another seed load the programs an earlier run in this process
+# compiled (the tiny runs spend most of their time compiling) instead of compiling them again.
+XLA_CACHE = pathlib.Path(tempfile.mkdtemp(prefix="acl_jax_test_xla_"))
+
+
+def pytest_configure(config):
+  import jax
+  jax.config.update("jax_compilation_cache_dir", str(XLA_CACHE))
 
 
 @pytest.fixture(scope="session")

@@ -206,17 +206,26 @@ def test_deebert_second_stage_trains_only_the_shallow_exits(setup, glue_dir, tmp
   assert results["train"]["steps"] == 4
 
 
-def test_multi_exit_run_reports_every_exit_and_their_average(setup, glue_dir, tmp_path):
-  ckpt = setup[0]
-  config = multi_exit_config(ckpt, glue_dir, "objective=acl_cl,max_steps=2")
-  results = train.train_and_evaluate(config, str(tmp_path / "run"))
+@pytest.fixture(scope="module")
+def mean_pooled_run(setup, glue_dir, tmp_path_factory):
+  """A 2-step multi-exit ACL-CL run whose exits pool the token mean: (config, workdir, results,
+  train rows of metrics.jsonl), read before any test changes the workdir. One run serves the
+  reporting test and the mean-pooling test (each run compiles a per-exit-gate step)."""
+  workdir = tmp_path_factory.mktemp("mean_pooled") / "run"
+  config = multi_exit_config(setup[0], glue_dir, "objective=acl_cl,pooler_input=mean,max_steps=2")
+  results = train.train_and_evaluate(config, str(workdir))
+  rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()
+          if '"loss"' in line]
+  return config, workdir, results, rows
+
+
+def test_multi_exit_run_reports_every_exit_and_their_average(mean_pooled_run):
+  _, _, results, rows = mean_pooled_run
   dev = results["final"]["validation"]
   assert set(dev) == {"exit1/accuracy", "exit2/accuracy", "exit3/accuracy", "avg/accuracy"}
   np.testing.assert_allclose(dev["avg/accuracy"],
                              np.mean([dev[f"exit{e}/accuracy"] for e in (1, 2, 3)]))
   assert results["main_metric"] == "validation/avg/accuracy"
-  rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text()
-          .splitlines() if '"loss"' in line]
   assert len(rows[0]["kept"]) == 3 and len(rows[0]["ce"]) == 3
 
 
@@ -229,11 +238,9 @@ def test_multi_exit_objectives_need_the_multi_exit_preset(tiny_bert_dir, glue_di
   assert not (tmp_path / "run").exists()  # refused before the workdir was touched
 
 
-def test_mean_pooled_exits_train_reload_resume_and_refuse_export(setup, glue_dir, tmp_path):
-  ckpt = setup[0]
-  workdir = tmp_path / "run"
-  config = multi_exit_config(ckpt, glue_dir, "objective=acl_cl,pooler_input=mean,max_steps=2")
-  results = train.train_and_evaluate(config, str(workdir))
+def test_mean_pooled_exits_train_reload_resume_and_refuse_export(mean_pooled_run):
+  config, workdir, results, _ = mean_pooled_run
+  config = config.copy_and_resolve_references()
   assert set(results["final"]["validation"]) >= {"exit1/accuracy", "avg/accuracy"}
   run = run_dir.load_trained_run(workdir)
   assert run.model.pooler_input == "mean"

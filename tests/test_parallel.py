@@ -11,40 +11,50 @@ import jax
 import numpy as np
 import pytest
 
-from acl_jax import config as config_lib
+from acl_jax import hf_weights
 from acl_jax import parallel
 from acl_jax import run_dir
-from acl_jax import train
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# The compared runs: a learning rate that moves parameters ~2e-3 in 4 steps (200x the 1e-5
+# they are compared at; at the default 2e-5 they moved 4e-5, so a bug that Adam's scale
+# invariance and clipping hide, a gradient summed over devices instead of averaged, would
+# pass but for grad_norm), and a seed whose second step the gate drops (the tests assert that
+# it does). max_length=32: one bucket, one train and one eval program per run. The two-host
+# test runs the same config from the command line.
+PRESET = "objective=acl,max_steps=4,batch_size=16,max_length=32,eval_every=4,lr=1e-3,seed=0"
+ATOL = 1e-5
 
 # Runs in a child process, since the device count is fixed when JAX starts: the same tiny
 # ACL fine-tune on 1 device, on 8 with parameters and optimizer state sharded, and on 8 in
 # micro-batches; then a batch size that 8 devices cannot split, and micro-batches that cannot.
-# (8 devices with the state replicated: the two-host test.)
+# (8 devices with the state replicated: the two-host test, against the 1-device run here.)
 _CHILD = r"""
 import json, pathlib, sys
 import jax, numpy as np
-from acl_jax import run_dir, train
-from tests.conftest import tiny_run_config
+from acl_jax import config as config_lib, hf_weights, run_dir, train
+from tests.conftest import TOKEN_CACHE, tiny_run_config
 
-model_dir, glue_dir, tmp = sys.argv[1], sys.argv[2], pathlib.Path(sys.argv[3])
+model_dir, glue_dir, tmp, preset = sys.argv[1], sys.argv[2], pathlib.Path(sys.argv[3]), sys.argv[4]
 assert jax.device_count() == 8, jax.devices()
+pretrained = hf_weights.load_bert_params(model_dir)
 report = {}
 for name, devices, fields in (("one", 1, {}), ("sharded", 8, {"shard_params": True}),
                               ("microbatched", 8, {"microbatch_size": 8})):
   workdir = tmp / name
-  config = tiny_run_config(model_dir, glue_dir, objective="acl", num_devices=devices,
-                           batch_size=16, max_steps=4, log_every=1, eval_every=4, **fields)
+  config = config_lib.get_config(f"rte,model={model_dir},{preset}")
+  config.update(num_devices=devices, log_every=1, **fields)
+  config.data.update(glue_dir=glue_dir, cache_dir=str(TOKEN_CACHE))
   results = train.train_and_evaluate(config, workdir)
   params, _ = run_dir.load_params(workdir)
-  np.savez(tmp / f"{name}.npz", **{"/".join(map(str, k)): np.asarray(v) for k, v in
+  np.savez(tmp / f"{name}.npz", **{jax.tree_util.keystr(k): np.asarray(v) for k, v in
                                    jax.tree_util.tree_flatten_with_path(params)[0]})
-  rows = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
-  report[name] = {"losses": [r["loss"] for r in rows if "loss" in r],
-                  "ce": [r["ce"] for r in rows if "ce" in r],
-                  "kept": [r["kept"] for r in rows if "kept" in r],
-                  "dev": results["final"]["validation"],
+  moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - b).max()), params["bert"],
+                       pretrained)
+  report[name] = {"rows": [json.loads(l) for l in
+                           (workdir / "metrics.jsonl").read_text().splitlines()],
+                  "dev": results["final"]["validation"], "moved": max(jax.tree.leaves(moved)),
                   "mesh": json.loads((workdir / "config.json").read_text())["meta"]["mesh"]}
 config = tiny_run_config(model_dir, glue_dir, objective="ce", batch_size=12, max_steps=1)
 try:
@@ -63,13 +73,31 @@ print("REPORT " + json.dumps(report))
 """
 
 
+def train_rows(rows: list[dict]) -> list[dict]:
+  return [r for r in rows if "loss" in r]
+
+
+def assert_trains_like(rows, reference_rows, *, moved: float, label: str):
+  """Per-step grad_norm, loss, CE, aux and gate decisions equal the 1-device run's; the run
+  moved its parameters far beyond the tolerance they are compared at; the gate dropped the
+  auxiliary gradient on at least one step (else a bug in the dropped branch would pass)."""
+  ours, theirs = train_rows(rows), train_rows(reference_rows)
+  assert [r["step"] for r in ours] == [r["step"] for r in theirs] == [1, 2, 3, 4], label
+  for key in ("grad_norm", "loss", "ce", "aux"):
+    np.testing.assert_allclose([r[key] for r in ours], [r[key] for r in theirs], rtol=1e-5,
+                               atol=ATOL, err_msg=f"{label}: {key}")
+  assert [r["kept"] for r in ours] == [r["kept"] for r in theirs], label
+  assert min(r["kept"] for r in theirs) == 0.0, [r["kept"] for r in theirs]
+  assert moved > 100 * ATOL, (label, moved)
+
+
 @pytest.fixture(scope="module")
 def eight_device_report(tiny_bert_dir, glue_dir, tmp_path_factory):
   tmp = tmp_path_factory.mktemp("parallel")
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
              JAX_PLATFORMS="cpu")
   proc = subprocess.run([sys.executable, "-c", _CHILD, str(tiny_bert_dir), str(glue_dir),
-                         str(tmp)], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                         str(tmp), PRESET], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                         timeout=900)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
   line = next(l for l in proc.stdout.splitlines() if l.startswith("REPORT "))
@@ -87,13 +115,10 @@ def test_eight_devices_train_like_one(eight_device_report, name):
   one, many = report["one"], report[name]
   assert one["mesh"]["devices"] == 1 and many["mesh"]["devices"] == 8
   assert many["mesh"]["shard_params"] == (name == "sharded")
-  assert len(one["losses"]) == 4
-  np.testing.assert_allclose(many["losses"], one["losses"], rtol=0, atol=1e-5)
-  np.testing.assert_allclose(many["ce"], one["ce"], rtol=0, atol=1e-5)
-  assert many["kept"] == one["kept"]  # the gate decided the same way on every step
+  assert_trains_like(many["rows"], one["rows"], moved=many["moved"], label=name)
   assert params[name].keys() == params["one"].keys()
   for key, reference in params["one"].items():
-    np.testing.assert_allclose(params[name][key], reference, rtol=0, atol=1e-5, err_msg=key)
+    np.testing.assert_allclose(params[name][key], reference, rtol=0, atol=ATOL, err_msg=key)
 
 
 def test_dev_metric_is_the_same_on_one_and_eight_devices(eight_device_report):
@@ -150,15 +175,14 @@ def _free_port() -> int:
 
 
 def test_two_hosts_run_the_same_command_and_train_like_one_device(tiny_bert_dir, glue_dir,
-                                                                  tmp_path):
+                                                                  tmp_path, eight_device_report):
   """Two processes of 4 CPU devices each join one job from the environment, as two hosts of a
   pod would, and run the same CLI command: each feeds its own half of every batch, both take
-  part in the checkpoint saves, process 0 alone writes the run files. The result equals a
-  single-device run of the same config."""
-  preset = "objective=acl,max_steps=4,batch_size=16,max_length=64,eval_every=4"
+  part in the checkpoint saves, process 0 alone writes the run files. The result equals the
+  single-device run of the same config (eight_device_report's "one")."""
   workdir = tmp_path / "two_hosts"
   command = [sys.executable, "-m", "acl_jax.main",
-             f"--config=configs/glue.py:rte,model={tiny_bert_dir},{preset}",
+             f"--config=configs/glue.py:rte,model={tiny_bert_dir},{PRESET}",
              "--config.log_every=1", f"--workdir={workdir}"]
   port = _free_port()
   procs, logs = [], []
@@ -176,29 +200,22 @@ def test_two_hosts_run_the_same_command_and_train_like_one_device(tiny_bert_dir,
     logs[process_id].close()
     assert proc.returncode == 0, (tmp_path / f"host{process_id}.log").read_text()[-5000:]
 
-  meta = json.loads((workdir / "config.json").read_text())["meta"]
-  assert meta["mesh"] == {"devices": 8, "processes": 2, "shard_params": False}
-  config = config_lib.get_config(f"rte,model={tiny_bert_dir},{preset}")
-  config.log_every = 1
-  config.data.glue_dir = str(glue_dir)
-  reference = train.train_and_evaluate(config, tmp_path / "one_device")
+  saved = json.loads((workdir / "config.json").read_text())
+  assert saved["meta"]["mesh"] == {"devices": 8, "processes": 2, "shard_params": False}
+  report, reference_params = eight_device_report
+  one = report["one"]
 
-  rows = lambda d: [json.loads(l) for l in (d / "metrics.jsonl").read_text().splitlines()]
-  ours, theirs = rows(workdir), rows(tmp_path / "one_device")
-  assert [r["step"] for r in ours] == [r["step"] for r in theirs]  # written once, by process 0
-  for mine, ref in zip(ours, theirs):
-    for key in ("loss", "ce", "aux", "kept"):
-      if key in ref:
-        assert mine[key] == pytest.approx(ref[key], abs=1e-5), (mine["step"], key)
-  results = json.loads((workdir / "eval_results.json").read_text())
-  assert results["final"]["validation"] == pytest.approx(reference["final"]["validation"],
-                                                         abs=1e-9)
+  rows = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in rows] == [r["step"] for r in one["rows"]]  # written once, by process 0
   params, step = run_dir.load_params(workdir)
-  ref_params, _ = run_dir.load_params(tmp_path / "one_device")
   assert step == 4
-  for path, value in jax.tree_util.tree_flatten_with_path(ref_params)[0]:
-    mine = params
-    for key in path:
-      mine = mine[key.key]
-    np.testing.assert_allclose(np.asarray(mine), np.asarray(value), rtol=0, atol=1e-5,
-                               err_msg=jax.tree_util.keystr(path))
+  moved = max(float(np.abs(np.asarray(a) - b).max()) for a, b in zip(
+      jax.tree.leaves(params["bert"]), jax.tree.leaves(hf_weights.load_bert_params(tiny_bert_dir))))
+  assert_trains_like(rows, one["rows"], moved=moved, label="two hosts")
+  results = json.loads((workdir / "eval_results.json").read_text())
+  assert results["final"]["validation"] == pytest.approx(one["dev"], abs=1e-9)
+  flat = {jax.tree_util.keystr(path): np.asarray(value)
+          for path, value in jax.tree_util.tree_flatten_with_path(params)[0]}
+  assert flat.keys() == reference_params["one"].keys()
+  for key, reference in reference_params["one"].items():
+    np.testing.assert_allclose(flat[key], reference, rtol=0, atol=ATOL, err_msg=key)

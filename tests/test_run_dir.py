@@ -150,22 +150,41 @@ def test_an_unreadable_run_directory_gets_a_clear_error(tiny_bert_dir, glue_dir,
     train.train_and_evaluate(config, workdir)
 
 
-def test_a_diverging_run_stops_naming_step_and_term_and_saves_nothing_non_finite(
-    tiny_bert_dir, glue_dir, tmp_path):
+def _checkpoint_files(directory: pathlib.Path) -> dict[str, bytes]:
+  return {str(p.relative_to(directory)): p.read_bytes()
+          for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_a_diverging_run_stops_naming_step_and_term_and_keeps_its_last_good_checkpoint(
+    tiny_bert_dir, glue_dir, tmp_path, monkeypatch):
+  """Step 1 at lr 1e12 leaves finite (huge) parameters, saved; a later step's loss is NaN. The
+  run stops there, and the step-1 checkpoint (read back as saved, before the bad step) is
+  still the latest, byte for byte."""
   config = tiny_run_config(tiny_bert_dir, glue_dir,
                            "rte,objective=acl,max_steps=30,checkpoint_every=1",
                            learning_rate=1e12, warmup_ratio=0.0, max_grad_norm=1e30)
+  saved = {}  # step -> the checkpoint's files, read once its save has finished
+  original = run_dir.RunCheckpoints.save
+
+  def save_and_read_back(self, step, state, progress):
+    original(self, step, state, progress)
+    self.wait()
+    saved[step] = _checkpoint_files(self.directory / "latest" / str(step))
+  monkeypatch.setattr(run_dir.RunCheckpoints, "save", save_and_read_back)
   with pytest.raises(FloatingPointError, match=r"step (\d+): the (loss|ce|aux|grad_norm) term "
                      r"is (nan|inf|-inf)") as info:
     train.train_and_evaluate(config, tmp_path / "run")
+  monkeypatch.undo()
   bad_step = int(info.value.args[0].split()[1].rstrip(":"))
+  assert saved and max(saved) < bad_step, (sorted(saved), bad_step)
+  good_step = max(saved)
   run = run_dir.RunCheckpoints(tmp_path / "run", async_save=False)
-  latest = run.latest_step()
+  assert run.latest_step() == good_step
   run.close()
-  assert latest is None or latest < bad_step
-  if latest is not None:
-    params = run_dir.load_params(tmp_path / "run")[0]
-    assert run_dir.all_finite(params)
+  assert _checkpoint_files(tmp_path / "run" / "checkpoints" / "latest" / str(good_step)) == (
+      saved[good_step])
+  params, step = run_dir.load_params(tmp_path / "run")
+  assert step == good_step and run_dir.all_finite(params)
 
 
 def test_saving_a_non_finite_state_is_refused(tmp_path):
