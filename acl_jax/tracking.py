@@ -82,10 +82,12 @@ class TensorBoard:
   """
 
   def __init__(self, logdir: str, *, first_step: int, hparams: dict[str, Any]):
+    # Imported here: the extra is optional (open_trackers checks for it).
     from tensorboard.compat.proto import event_pb2
+    from tensorboard.compat.proto import summary_pb2
     from tensorboard.plugins.hparams import summary_v2
     from tensorboard.summary.writer import event_file_writer
-    self._event_pb2 = event_pb2
+    self._event_pb2, self._summary_pb2 = event_pb2, summary_pb2
     self._writer = event_file_writer.EventFileWriter(logdir)
     self._writer.add_event(event_pb2.Event(
         wall_time=time.time(), step=first_step,
@@ -95,9 +97,9 @@ class TensorBoard:
     self._writer.flush()
 
   def write(self, step: int, values: dict[str, float]) -> None:
-    from tensorboard.compat.proto import summary_pb2
-    summary = summary_pb2.Summary(value=[summary_pb2.Summary.Value(tag=tag, simple_value=value)
-                                         for tag, value in values.items()])
+    summary = self._summary_pb2.Summary(value=[
+        self._summary_pb2.Summary.Value(tag=tag, simple_value=value)
+        for tag, value in values.items()])
     self._writer.add_event(self._event_pb2.Event(wall_time=time.time(), step=step,
                                                  summary=summary))
     self._writer.flush()  # a log row every log_every steps: cheap, and nothing is lost
