@@ -118,6 +118,15 @@ def defaults(task: data.TaskSpec) -> ml_collections.ConfigDict:
   config.matmul_precision = "default"
 
   config.log_every = 20  # steps between metrics.jsonl lines.
+  # Every number of metrics.jsonl and the config (as hyper-parameters) also as TensorBoard
+  # event files in <workdir>/tensorboard, where the `tensorboard` extra is installed (else a
+  # warning). acl_jax.tracking.
+  config.tensorboard = True
+  # Weights & Biases: the project to log the same numbers and the config to; "" = off (the
+  # `wandb` extra). A rerun resumes the W&B run that config.json names. WANDB_MODE,
+  # WANDB_DIR and wandb's other variables apply.
+  config.wandb_project = ""
+  config.wandb_entity = ""  # the W&B team or user; "" = the account's default.
   config.eval_every = 0  # steps between dev evaluations; 0 = at the end of every epoch.
   # Steps between checkpoints (<workdir>/checkpoints, async); runs also save at every
   # evaluation and at the end. Rerunning the same command resumes from the latest one.
@@ -282,6 +291,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
                                     and config.batch_size % config.microbatch_size):
     raise ValueError(f"config.microbatch_size={config.microbatch_size} must divide "
                      f"batch_size={config.batch_size} (or be 0: off).")
+  if config.wandb_entity and not config.wandb_project:
+    raise ValueError(f"config.wandb_entity={config.wandb_entity!r} names where W&B runs go; "
+                     "set wandb_project too (W&B is off without it).")
   for key in ("warmup_ratio", "dropout"):
     if not 0 <= config[key] < 1:
       raise ValueError(f"config.{key}={config[key]} must be in [0, 1).")

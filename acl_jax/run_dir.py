@@ -7,6 +7,8 @@ metrics file, the orbax checkpoints, and loading a trained run back.
     <workdir>/early_exit.json|png  --mode=early_exit
     <workdir>/hf_export/           --mode=export
     <workdir>/run.log              library log lines (orbax, absl), appended by every mode
+    <workdir>/tensorboard/         TensorBoard event files of metrics.jsonl's numbers
+                                   (acl_jax.tracking)
     <workdir>/checkpoints/latest/<step>/state      TrainState (params, optimizer state, step
                                                    within the stage)
     <workdir>/checkpoints/latest/<step>/progress   JSON: where the loop stands (global step,
@@ -56,22 +58,25 @@ EARLY_EXIT_PLOT = "early_exit.png"
 EXPORT_DIR = "hf_export"
 LOG_FILE = "run.log"
 CHECKPOINT_DIR = "checkpoints"
+TENSORBOARD_DIR = "tensorboard"
 
 # Written by the run, not by the user: removed when a workdir is overwritten.
 RUN_OUTPUTS = (CONFIG_FILE, METRICS_FILE, EVAL_RESULTS_FILE, EARLY_EXIT_FILE, EARLY_EXIT_PLOT,
-               LOG_FILE, CHECKPOINT_DIR)
+               LOG_FILE, CHECKPOINT_DIR, TENSORBOARD_DIR)
 # Config fields that may differ between a run and its resumption.
 # A run may resume on another number of devices (bitwise equality then no longer holds), and
-# save more or less often.
+# save more or less often, and with its trackers switched on or off (they only see what
+# metrics.jsonl gets).
 RESUMABLE_CHANGES = ("overwrite", "num_devices", "shard_params", "checkpoint_every",
-                     "checkpoint_every_minutes")
+                     "checkpoint_every_minutes", "tensorboard", "wandb_project", "wandb_entity")
 # Config fields renamed after runs were recorded: old name -> new name. A config.json that
 # holds an old name reads as holding the new one, so recorded runs load, resume and export.
 RENAMED_FIELDS = {"lambda": "aux_weight", "gate": "gate_granularity",
                   "pooler": "pooler_weights", "exit_pooling": "pooler_input"}
 # Config fields added after runs were recorded, with the value those runs had: a config.json
 # without one reads as holding it.
-ADDED_FIELDS = {"pooler_input": "cls", "microbatch_size": 0, "checkpoint_every_minutes": 0.0}
+ADDED_FIELDS = {"pooler_input": "cls", "microbatch_size": 0, "checkpoint_every_minutes": 0.0,
+                "tensorboard": False, "wandb_project": "", "wandb_entity": ""}
 
 
 def upgrade_config(saved: dict[str, Any]) -> dict[str, Any]:
@@ -93,6 +98,18 @@ def read_config(workdir: epath.PathLike) -> ml_collections.ConfigDict:
     raise FileNotFoundError(f"{path} not found: {workdir} is not a run directory (train "
                             "into it first with --mode=train)") from None
   except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    raise ValueError(f"{path}: unreadable run directory ({type(e).__name__}: {e})") from e
+
+
+def read_meta(workdir: epath.PathLike) -> dict[str, Any] | None:
+  """The metadata of the run a workdir holds (config.json's "meta"); None before its first
+  run, or when that record has none."""
+  path = epath.Path(workdir) / CONFIG_FILE
+  if not path.exists():
+    return None
+  try:
+    return json.loads(path.read_text()).get("meta")
+  except (OSError, ValueError, AttributeError) as e:
     raise ValueError(f"{path}: unreadable run directory ({type(e).__name__}: {e})") from e
 
 
@@ -160,7 +177,9 @@ def logging_to(workdir: epath.PathLike | None) -> Iterator[None]:
 
 
 class MetricsWriter:
-  """Writes one JSON object per line to <workdir>/metrics.jsonl (METRICS_FILE).
+  """Writes one JSON object per line to <workdir>/metrics.jsonl (METRICS_FILE), and hands each
+  row to `tracker` (acl_jax.tracking.Trackers: TensorBoard, W&B), so that every tracker gets
+  exactly the rows the file does.
 
   A fresh run starts the file anew; a resumed run keeps the lines up to its checkpoint's step
   (later ones came from the interrupted process and will be logged again) and appends. A
@@ -169,11 +188,12 @@ class MetricsWriter:
   """
 
   def __init__(self, path: epath.PathLike, *, keep_through: int | None = None,
-               active: bool = True):
+               active: bool = True, tracker=None):
     self._path = epath.Path(path)
     self._file = None
     self._lines = []  # of an object; a local file is appended to instead
     self._active = active  # processes other than 0 write nothing
+    self._tracker = tracker if active else None
     if not active:
       return
     kept = []
@@ -189,12 +209,15 @@ class MetricsWriter:
   def write(self, step: int, values: dict[str, Any]) -> None:
     if not self._active:
       return
-    row = {"step": int(step), **{k: to_python(v) for k, v in values.items()}}
+    row = {k: to_python(v) for k, v in values.items()}
+    line = json.dumps({"step": int(step), **row}) + "\n"
     if self._file is None:
-      self._lines.append(json.dumps(row) + "\n")
-      return
-    self._file.write(json.dumps(row) + "\n")
-    self._file.flush()
+      self._lines.append(line)
+    else:
+      self._file.write(line)
+      self._file.flush()
+    if self._tracker is not None:
+      self._tracker.write(int(step), row)
 
   def flush(self) -> None:
     if self._active and self._file is None:
@@ -204,6 +227,8 @@ class MetricsWriter:
     self.flush()
     if self._file is not None:
       self._file.close()
+    if self._tracker is not None:
+      self._tracker.close()
 
 
 def to_python(value):

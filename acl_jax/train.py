@@ -28,6 +28,7 @@ from acl_jax import optim
 from acl_jax import parallel
 from acl_jax import preemption
 from acl_jax import run_dir
+from acl_jax import tracking
 from acl_jax.models import multi_exit
 
 # Per-step terms checked for NaN and inf at every log point.
@@ -121,6 +122,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   <workdir>/run.log.
   """
   config_lib.validate(config)
+  tracking.check_installed(config)
   workdir = run_dir.resolve(workdir)
   task = data.get_task(config.task)
   mesh = parallel.make_mesh(config.num_devices)
@@ -173,6 +175,7 @@ def _train(config, workdir: epath.Path, task: data.TaskSpec, mesh, is_main: bool
   run_checkpoints = run_dir.RunCheckpoints(workdir)
   saved = run_checkpoints.latest_progress()  # None: a fresh run
   meta = host.run_metadata()
+  meta["wandb_run_id"] = tracking.wandb_run_id(config, run_dir.read_meta(workdir))
   meta.update(checkpoint_dir=str(ckpt_dir), glue_dir=str(glue_dir) if glue_dir else "hub",
               train_examples=len(train_data.lengths), steps_per_epoch=steps_per_epoch,
               total_steps=total_steps, bucket_boundaries=list(boundaries),
@@ -209,8 +212,11 @@ def _train(config, workdir: epath.Path, task: data.TaskSpec, mesh, is_main: bool
   step, epoch, position = resume["step"], resume["epoch"], resume["position"]
   train_seconds, train_examples = resume["train_seconds"], resume["train_examples"]
   compilations, history, best = resume["compilations"], resume["history"], resume["best"]
-  writer = run_dir.MetricsWriter(workdir / run_dir.METRICS_FILE,
-                                 keep_through=step if saved else None, active=is_main)
+  writer = run_dir.MetricsWriter(
+      workdir / run_dir.METRICS_FILE, keep_through=step if saved else None, active=is_main,
+      tracker=tracking.open_trackers(config, workdir, first_step=step + 1,
+                                     wandb_run_id=meta["wandb_run_id"],
+                                     exit_layers=exit_layers) if is_main else None)
   progress = tqdm.tqdm(total=total_steps * len(stages), initial=step,
                        desc=f"{task.name} train", unit="step", dynamic_ncols=True,
                        disable=None if is_main else True)

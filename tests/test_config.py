@@ -135,6 +135,7 @@ def test_validate_rejects_an_unknown_value_of_every_enumerated_field(field):
     ("rte,gate_chunk=0", r"gate_chunk=0 must be >= 1"),
     ("rte,warmup_ratio=1.5", r"warmup_ratio=1.5 must be in \[0, 1\)"),
     ("rte,aux_weight=-1", r"aux_weight=-1.0 must be >= 0"),
+    ("rte,wandb_entity=me", r"wandb_entity='me' .* set wandb_project too"),
 ])
 def test_validate_rejects_inconsistent_values(preset, message):
   with pytest.raises(ValueError, match=message):

@@ -9,8 +9,9 @@ import sys
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "acl_jax"
 # Imported only on paths that say which extra they need: torch reads pickled `.bin`
-# checkpoints (allow_pickle), and the tests' reference.
-OPTIONAL = {"torch"}
+# checkpoints (allow_pickle), and the tests' reference; tensorboard and wandb are the trackers
+# (acl_jax.tracking: tensorboard is skipped with a warning when missing, wandb only on request).
+OPTIONAL = {"torch", "tensorboard", "wandb"}
 
 
 def imported_top_level_names() -> dict[str, str]:

@@ -133,6 +133,8 @@ def test_a_workdir_with_another_config_is_refused_unless_overwrite(tiny_bert_dir
   other.overwrite = True
   results = train.train_and_evaluate(other, tmp_path / "run")
   assert results["checkpoints"]["resumed_from_step"] is None
+  # The first run's TensorBoard events went with its other outputs.
+  assert len(list((tmp_path / "run" / run_dir.TENSORBOARD_DIR).glob("events.*"))) == 1
   saved = json.loads((tmp_path / "run" / "config.json").read_text())["config"]
   assert saved["seed"] == 1
 
