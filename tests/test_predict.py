@@ -126,9 +126,11 @@ def check_file(path, test_file, task, expected_ids=None):
 
 @pytest.fixture(scope="module")
 def collected(tmp_path_factory, tiny_bert_dir, glue_dir):
-  """RTE, CoLA (labels 0/1) and STS-B runs, all written into one submission directory."""
+  """RTE, CoLA (labels 0/1) and STS-B runs, all written into one submission directory. Two
+  length buckets: the eval batches are not in the test file's order, so the files' order is
+  checked."""
   root = tmp_path_factory.mktemp("predict")
-  runs = {name: write_run(root / name, run_config(tiny_bert_dir, glue_dir, name),
+  runs = {name: write_run(root / name, tiny_run_config(tiny_bert_dir, glue_dir, name),
                           centre=2.5 if name == "stsb" else 0.0)
           for name in ("rte", "cola", "stsb")}
   directory = root / "glue"
