@@ -12,11 +12,11 @@ import subprocess
 import sys
 import zipfile
 
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import flax
 
 from acl_jax import config as config_lib
 from acl_jax import data
@@ -28,8 +28,8 @@ from acl_jax import submission
 from conftest import REPO_ROOT, tiny_run_config
 
 # write_run's heads scale up tiny differences between examples, and with them float32
-# rounding, which differs between the submission's bucketed batches and the one batch computed
-# here by up to ~1e-3: rows whose top two logits (or entropy and threshold) are closer than
+# rounding, which differs between the submission's eval batches and model_logits' batches by
+# up to ~1e-3: rows whose top two logits (or entropy and threshold) are closer than
 # NEAR_TIE may fairly differ, and STS-B scores agree to SCORE_TOLERANCE (their spread is 10).
 NEAR_TIE = 1e-2
 SCORE_TOLERANCE = 1e-2
@@ -257,8 +257,9 @@ def test_mnli_writes_matched_mismatched_and_the_diagnostic_set(tiny_bert_dir, tm
   (glue / "diagnostic" / "diagnostic.tsv").unlink()
   written = submission.write_submission(run, tmp_path / "no_ax", log=lambda line: None)
   assert [p.name for p in written] == ["MNLI-m.tsv", "MNLI-mm.tsv"]
-  (glue / "MNLI" / "test_mismatched.tsv").unlink()
-  with pytest.raises(FileNotFoundError, match=re.escape(str(glue / "MNLI" / "test_mismatched.tsv"))):
+  missing = glue / "MNLI" / "test_mismatched.tsv"
+  missing.unlink()
+  with pytest.raises(FileNotFoundError, match=re.escape(str(missing))):
     submission.write_submission(run, tmp_path / "missing", log=lambda line: None)
 
 
