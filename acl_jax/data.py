@@ -31,6 +31,8 @@ _CACHE_FORMAT = 1
 _TOKENIZE_CHUNK = 4096
 # The batch keys a model reads, in the order of its positional arguments.
 MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+# The column of every GLUE test file that names its rows.
+TEST_ID_COLUMN = "index"
 
 _log = logging.getLogger(__name__)
 
@@ -108,6 +110,11 @@ TASKS: dict[str, TaskSpec] = {t.name: t for t in (
     _task("wnli", "WNLI", "wnli", ("sentence1", "sentence2"), "label",
           ("sentence1", "sentence2"), ("0", "1")),
 )}
+# GLUE's diagnostic set (AX): a test-only MNLI-style set, predicted by an MNLI model. Not in
+# TASKS, as nothing trains on it.
+DIAGNOSTIC = dataclasses.replace(
+    TASKS["mnli"], name="ax", glue_dir_name="diagnostic", hub_config="ax", eval_splits={},
+    test_splits={"test": "diagnostic"})
 
 
 def get_task(name: str | TaskSpec) -> TaskSpec:
@@ -133,7 +140,8 @@ class Examples:
   """One split as raw text. labels: int32 class ids, float32 STS-B scores, None for test.
 
   line_numbers holds each row's 1-based line in the TSV file (1-based row position for the
-  hub) so errors and predictions can point back at the source.
+  hub) so errors and predictions can point back at the source. ids: a test split's `index`
+  column (the hub's `idx`), by which a GLUE submission names each prediction; None otherwise.
   """
   text_a: list[str]
   text_b: list[str] | None
@@ -142,6 +150,7 @@ class Examples:
   line_numbers: np.ndarray
   task: str = ""
   split: str = ""
+  ids: list[str] | None = None
 
   def __len__(self) -> int:
     return len(self.text_a)
@@ -234,7 +243,7 @@ def _load_tsv(task: TaskSpec, split: str, path: pathlib.Path, *, labeled: bool) 
   if not len(line_numbers):
     raise ValueError(f"{path}: no examples{' below its header' if explicit is None else ''}; "
                      f"the {task.name} {split} split needs at least one row")
-  wanted = list(task.text_columns) + ([task.label_column] if labeled else [])
+  wanted = list(task.text_columns) + ([task.label_column] if labeled else [TEST_ID_COLUMN])
   missing = [c for c in wanted if c not in columns]
   if missing:
     raise ValueError(f"{path}: missing column(s) {missing}; the file has {columns}")
@@ -251,12 +260,15 @@ def _load_tsv(task: TaskSpec, split: str, path: pathlib.Path, *, labeled: bool) 
                      f"{len(line_numbers)} data lines")
 
   texts = [table.column(c).to_pylist() for c in task.text_columns]
-  labels = None
+  labels, ids = None, None
   if labeled:
     raw = table.column(task.label_column).to_pylist()
     labels = _parse_labels(task, raw, lambda i: f"{path}:{line_numbers[i]}")
+  else:
+    ids = table.column(TEST_ID_COLUMN).to_pylist()
   return Examples(text_a=texts[0], text_b=texts[1] if len(texts) > 1 else None, labels=labels,
-                  source=str(path), line_numbers=line_numbers, task=task.name, split=split)
+                  source=str(path), line_numbers=line_numbers, task=task.name, split=split,
+                  ids=ids)
 
 
 def _parse_labels(task: TaskSpec, raw: list[str], where) -> np.ndarray:
@@ -287,7 +299,7 @@ def _load_hub(task: TaskSpec, split: str) -> Examples:
   table = ds.with_format("arrow")[:]
   texts = [table.column(c).to_pylist() for c in task.hub_text_columns]
   source = f"{HUB_DATASET}/{task.hub_config}/{split}"
-  labels = None
+  labels, ids = None, None
   if split not in task.test_splits:
     dtype = np.float32 if task.is_regression else np.int32
     labels = np.asarray(table.column("label").to_numpy(), dtype)
@@ -296,9 +308,11 @@ def _load_hub(task: TaskSpec, split: str) -> Examples:
       if len(bad):
         raise ValueError(f"{source} row {bad[0] + 1}: label id {labels[bad[0]]} outside "
                          f"[0, {task.num_labels})")
+  else:
+    ids = [str(i) for i in table.column("idx").to_pylist()]
   return Examples(text_a=texts[0], text_b=texts[1] if len(texts) > 1 else None, labels=labels,
                   source=source, line_numbers=np.arange(1, len(texts[0]) + 1), task=task.name,
-                  split=split)
+                  split=split, ids=ids)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

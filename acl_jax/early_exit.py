@@ -392,25 +392,25 @@ def single_examples(encoded, boundaries: Sequence[int]) -> list[tuple[np.ndarray
   return out
 
 
-def _all_exit_logits(run, encoded) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """Counted mode's one full forward: (exit logits [E, N, K], labels [N], mask [N]) over a
-  split in eval order (padded rows masked)."""
-  forward = jax.jit(lambda params, *inputs: run.model.apply(
-      {"params": params}, *inputs, deterministic=True)["logits"])
-  logits, labels, mask = [], [], []
+# The model is static (flax modules hash by their fields): equal models share compiled
+# programs across calls, e.g. the test splits of one run (MNLI has three).
+@functools.partial(jax.jit, static_argnums=0)
+def _exit_logits_of_batch(model, params, *inputs) -> jax.Array:
+  logits = model.apply({"params": params}, *inputs, deterministic=True)["logits"]
+  return logits if logits.ndim == 3 else logits[None]
+
+
+def exit_logits(run, encoded) -> tuple[np.ndarray, np.ndarray]:
+  """Counted mode's one full forward over a split in eval order: every exit's logits
+  [E, R, K] (E = 1 for a single-exit model) and each row's example index [R] (-1: a padding
+  row). Labels are not read, so test splits work too."""
+  logits, index = [], []
   for batch in data.eval_batches(encoded, batch_size=run.config.eval_batch_size,
                                  boundaries=run.boundaries):
-    logits.append(forward(run.params, *(batch[k] for k in data.MODEL_INPUTS)))
-    labels.append(batch["labels"])
-    mask.append(batch["mask"])
-  return (np.concatenate(jax.device_get(logits), axis=1), np.concatenate(labels),
-          np.concatenate(mask))
-
-
-def _eval_order(encoded, boundaries: Sequence[int], batch_size: int) -> np.ndarray:
-  """Example index of every row of eval_batches (-1 for padding rows)."""
-  return np.concatenate([b["index"] for b in data.eval_batches(
-      encoded, batch_size=batch_size, boundaries=boundaries)])
+    logits.append(_exit_logits_of_batch(run.model, run.params,
+                                        *(batch[k] for k in data.MODEL_INPUTS)))
+    index.append(batch["index"])
+  return np.concatenate(jax.device_get(logits), axis=1), np.concatenate(index)
 
 
 def sweep(run, *, split: str | None = None, policies: Sequence[str] | None = None,
@@ -434,13 +434,14 @@ def sweep(run, *, split: str | None = None, policies: Sequence[str] | None = Non
   encoded = run.load_encoded(split)
   exit_layers = run.model.resolved_exit_layers()
   num_layers = run.model.config.num_hidden_layers
-  exit_logits, labels, mask = _all_exit_logits(run, encoded)
-  order = _eval_order(encoded, run.boundaries, run.config.eval_batch_size)
+  all_logits, order = exit_logits(run, encoded)
+  mask = (order >= 0).astype(np.float32)
+  labels = np.where(order >= 0, encoded.labels[np.maximum(order, 0)], 0)
 
   def score(preds) -> dict[str, float]:
     return metrics_lib.compute(task, np.asarray(preds), labels, mask)
 
-  per_exit = {f"exit{layer}": score(prediction(exit_logits[i], regression))
+  per_exit = {f"exit{layer}": score(prediction(all_logits[i], regression))
               for i, layer in enumerate(exit_layers)}
   result = {"workdir": str(run.workdir), "task": task.name, "split": split,
             "objective": run.config.objective, "checkpoint_step": run.step,
@@ -452,7 +453,7 @@ def sweep(run, *, split: str | None = None, policies: Sequence[str] | None = Non
   for name in policies:
     for threshold in default_thresholds(name, len(exit_layers), max(task.num_labels, 2)):
       policy = Policy(name, threshold, patience=pcee_patience, tolerance=tolerance)
-      chosen, preds = counted_exits(policy, jnp.asarray(exit_logits), regression=regression)
+      chosen, preds = counted_exits(policy, jnp.asarray(all_logits), regression=regression)
       layers = np.asarray(exit_layers)[np.asarray(chosen)][mask > 0]
       row = {"threshold": threshold, **settings.get(name, {}),
              "metrics": score(preds), **speedup(layers, num_layers)}

@@ -3,6 +3,7 @@
     python -m acl_jax.main --config=configs/glue.py:rte --workdir=runs/rte
     python -m acl_jax.main --mode=early_exit --workdir=runs/rte_multi_exit
     python -m acl_jax.main --mode=export --workdir=runs/rte
+    python -m acl_jax.main --mode=predict --workdir=runs/rte --submission_dir=runs/glue
 """
 
 import logging as std_logging
@@ -19,6 +20,7 @@ from acl_jax import host
 from acl_jax import parallel
 from acl_jax import preemption
 from acl_jax import run_dir
+from acl_jax import submission
 from acl_jax import train
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -26,13 +28,30 @@ _CONFIG = config_flags.DEFINE_config_file(
     lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (config, metrics, results).")
 _MODE = flags.DEFINE_enum(
-    "mode", "train", ["train", "early_exit", "export"],
+    "mode", "train", ["train", "early_exit", "export", "predict"],
     "train: fine-tune (resumes from <workdir>/checkpoints when rerun; on SIGTERM or Ctrl-C "
-    f"saves at the current step and exits with code {preemption.EXIT_CODE}); early_exit: sweep the "
-    "exit policies of a trained multi-exit run, write early_exit.json and early_exit.png; "
-    "export: write <workdir>/hf_export, an HF BertForSequenceClassification directory.")
+    f"saves at the current step and exits with code {preemption.EXIT_CODE}); early_exit: "
+    "sweep the exit policies of a trained multi-exit run, write early_exit.json and "
+    "early_exit.png; "
+    "export: write <workdir>/hf_export, an HF BertForSequenceClassification directory; "
+    "predict: write the task's GLUE test-set predictions in the benchmark's format, one TSV "
+    "per benchmark file (MNLI: MNLI-m, MNLI-mm and AX), into --submission_dir and zip that "
+    "directory's TSVs into <submission_dir>.zip, the file to upload.")
 _PARAMS = flags.DEFINE_enum("params", "latest", ["latest", "best"],
-                            "early_exit, export: the final (latest) or the best-dev params.")
+                            "early_exit, export, predict: the final (latest) or the best-dev "
+                            "params.")
+_SUBMISSION_DIR = flags.DEFINE_string(
+    "submission_dir", None, "predict: where the TSVs go (default <workdir>/glue_submission); "
+    "give one directory to the runs of every task to collect them into one zip.")
+_EXIT_POLICY = flags.DEFINE_enum(
+    "exit_policy", None, list(early_exit.POLICIES),
+    "predict, multi-exit runs: exit where this policy says, at --exit_threshold (default: "
+    "every example at the last exit). As in the early_exit sweep, pcee waits for 2 confident "
+    "exits and STS-B takes patience only (moves below 0.1).")
+_EXIT_THRESHOLD = flags.DEFINE_float(
+    "exit_threshold", None, "predict: --exit_policy's threshold, as in early_exit.json: "
+    "entropy in nats (entropy), consecutive unchanged exits (patience), normalized entropy "
+    "in (0, 1] (pcee).")
 _MAX_EXAMPLES = flags.DEFINE_integer(
     "max_examples", None, "early_exit: dev examples timed at batch size 1 (default: all).")
 _COMPILATION_CACHE = flags.DEFINE_string(
@@ -71,6 +90,13 @@ def main(argv):
     elif _MODE.value == "export":
       run = run_dir.load_trained_run(_WORKDIR.value, which=_PARAMS.value)
       print(f"Wrote {run_dir.write_export(run)}")
+    elif _MODE.value == "predict":
+      if (_EXIT_POLICY.value is None) != (_EXIT_THRESHOLD.value is None):
+        raise app.UsageError("--exit_policy and --exit_threshold go together")
+      policy = (early_exit.Policy(_EXIT_POLICY.value, _EXIT_THRESHOLD.value)
+                if _EXIT_POLICY.value else None)
+      submission.run_on_workdir(_WORKDIR.value, which=_PARAMS.value,
+                                submission_dir=_SUBMISSION_DIR.value, policy=policy, log=print)
 
 
 def parse_flags(argv):

@@ -6,6 +6,8 @@ metrics file, the orbax checkpoints, and loading a trained run back.
     <workdir>/eval_results.json    dev metrics: final, best, history
     <workdir>/early_exit.json|png  --mode=early_exit
     <workdir>/hf_export/           --mode=export
+    <workdir>/glue_submission/     --mode=predict: GLUE test-set predictions, one TSV per
+    <workdir>/glue_submission.zip    file of the benchmark, and the zip to upload
     <workdir>/run.log              library log lines (orbax, absl), appended by every mode
     <workdir>/tensorboard/         TensorBoard event files of metrics.jsonl's numbers
                                    (acl_jax.tracking)
@@ -56,13 +58,15 @@ EVAL_RESULTS_FILE = "eval_results.json"
 EARLY_EXIT_FILE = "early_exit.json"
 EARLY_EXIT_PLOT = "early_exit.png"
 EXPORT_DIR = "hf_export"
+SUBMISSION_DIR = "glue_submission"
+SUBMISSION_ZIP = f"{SUBMISSION_DIR}.zip"  # beside the directory it zips
 LOG_FILE = "run.log"
 CHECKPOINT_DIR = "checkpoints"
 TENSORBOARD_DIR = "tensorboard"
 
 # Written by the run, not by the user: removed when a workdir is overwritten.
 RUN_OUTPUTS = (CONFIG_FILE, METRICS_FILE, EVAL_RESULTS_FILE, EARLY_EXIT_FILE, EARLY_EXIT_PLOT,
-               LOG_FILE, CHECKPOINT_DIR, TENSORBOARD_DIR)
+               SUBMISSION_DIR, SUBMISSION_ZIP, LOG_FILE, CHECKPOINT_DIR, TENSORBOARD_DIR)
 # Config fields that may differ between a run and its resumption.
 # A run may resume on another number of devices (bitwise equality then no longer holds), and
 # save more or less often, and with its trackers switched on or off (they only see what
@@ -111,6 +115,10 @@ def read_meta(workdir: epath.PathLike) -> dict[str, Any] | None:
     return json.loads(path.read_text()).get("meta")
   except (OSError, ValueError, AttributeError) as e:
     raise ValueError(f"{path}: unreadable run directory ({type(e).__name__}: {e})") from e
+
+
+def read_json(path: epath.PathLike) -> dict[str, Any]:
+  return json.loads(epath.Path(path).read_text())
 
 
 def write_json(path: epath.PathLike, content: dict[str, Any]) -> None:
@@ -420,12 +428,19 @@ class TrainedRun:
   tokenizer: Any
   boundaries: tuple[int, ...]
 
+  def load_examples(self, split: str, task: data.TaskSpec | None = None) -> data.Examples:
+    """A split of the run's task (or of `task`, e.g. data.DIAGNOSTIC) from the run's data."""
+    return data.load_split(task or self.task, split,
+                           glue_dir=data.resolve_glue_dir(self.config.data.glue_dir))
+
+  def encode(self, examples: data.Examples) -> data.Encoded:
+    """Examples tokenized as the run's were (data.encode with the run's settings)."""
+    return data.encode(examples, self.tokenizer, max_length=self.config.max_length,
+                       cache_dir=self.config.data.cache_dir)
+
   def load_encoded(self, split: str) -> data.Encoded:
     """A split tokenized as the run was (data.load_encoded with the run's settings)."""
-    return data.load_encoded(self.task, split, tokenizer=self.tokenizer,
-                             max_length=self.config.max_length,
-                             glue_dir=data.resolve_glue_dir(self.config.data.glue_dir),
-                             cache_dir=self.config.data.cache_dir)
+    return self.encode(self.load_examples(split))
 
 
 def write_export(run: "TrainedRun") -> epath.Path:
