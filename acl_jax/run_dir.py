@@ -244,12 +244,13 @@ def to_python(value):
   return value.item() if value.ndim == 0 else value.tolist()
 
 
-def prepare_workdir(workdir: epath.Path, config, *, delete: bool = True) -> None:
+def prepare_workdir(workdir: epath.PathLike, config, *, delete: bool = True) -> None:
   """Refuses a workdir that holds a run with another config, unless config.overwrite.
 
   The same config resumes (or, with no checkpoint yet, starts over); config.overwrite deletes
   the earlier run's outputs first (only where `delete`: one process of a multi-host job).
   """
+  workdir = resolve(workdir)
   if workdir.exists() and not workdir.is_dir():
     raise NotADirectoryError(f"--workdir={workdir} exists and is not a directory")
   workdir.mkdir(parents=True, exist_ok=True)

@@ -108,13 +108,14 @@ def zip_path(directory: epath.Path) -> epath.Path:
   return directory.parent / f"{directory.name}.zip"
 
 
-def write_submission(run: run_dir.TrainedRun, directory: epath.Path, *,
+def write_submission(run: run_dir.TrainedRun, directory: epath.PathLike, *,
                      policy: early_exit.Policy | None = None, params: str = "latest",
                      log: Callable[[str], None] = print) -> list[epath.Path]:
   """Writes the run's test-set files into `directory` and rewrites <directory>.zip with every
   TSV there. Returns the files written. A missing test file raises FileNotFoundError naming
   it; only the diagnostic set (AX) is skipped when absent."""
   check_policy(run, policy)  # before writing anything
+  directory = epath.Path(directory)
   directory.mkdir(parents=True, exist_ok=True)
   sources_path = directory / SOURCES_FILE
   sources = run_dir.read_json(sources_path) if sources_path.exists() else {}

@@ -152,7 +152,8 @@ def test_an_unreadable_run_directory_gets_a_clear_error(tiny_bert_dir, glue_dir,
     train.train_and_evaluate(config, workdir)
 
 
-def _checkpoint_files(directory: pathlib.Path) -> dict[str, bytes]:
+def _checkpoint_files(directory) -> dict[str, bytes]:
+  directory = pathlib.Path(directory)  # an epath.Path, which refuses rglob's `**`
   return {str(p.relative_to(directory)): p.read_bytes()
           for p in sorted(directory.rglob("*")) if p.is_file()}
 
