@@ -306,12 +306,14 @@ def _train(config, workdir: epath.Path, task: data.TaskSpec, mesh, is_main: bool
                 f"{split} {name}={value:.4f}" for split, values in results.items()
                 for name, value in values.items()))
           if save_now:
+            # An object store's metrics.jsonl as far as this step, before the checkpoint that
+            # a rerun resumes after (its later rows are dropped on resume, never missing).
+            writer.flush()
             run_checkpoints.save(step, state, {
                 "step": step, "stage_index": stage_index, "stage": stage.name, "epoch": epoch,
                 "position": position, "train_seconds": train_seconds,
                 "train_examples": train_examples, "compilations": compilations + traces(),
                 "history": history, "best": best})
-            writer.flush()  # an object store's metrics.jsonl as far as this checkpoint
             saved_at = time.monotonic()
           window_start = time.perf_counter()
         if stop:
