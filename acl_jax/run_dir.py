@@ -192,7 +192,8 @@ class MetricsWriter:
   A fresh run starts the file anew; a resumed run keeps the lines up to its checkpoint's step
   (later ones came from the interrupted process and will be logged again) and appends. A
   local file gets each line as it is written; an object (gs://...) is rewritten whole at each
-  flush() (the loop flushes at every checkpoint save) and at close().
+  flush() (the loop flushes at every checkpoint save) and at close(), and so are the
+  trackers' files there.
   """
 
   def __init__(self, path: epath.PathLike, *, keep_through: int | None = None,
@@ -230,6 +231,8 @@ class MetricsWriter:
   def flush(self) -> None:
     if self._active and self._file is None:
       self._path.write_text("".join(self._lines))
+    if self._tracker is not None:
+      self._tracker.flush()
 
   def close(self) -> None:
     self.flush()

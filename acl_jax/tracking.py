@@ -15,11 +15,13 @@ import importlib.util
 import json
 import secrets
 import string
+import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from absl import logging
+from etils import epath
 
 from acl_jax import run_dir
 
@@ -88,13 +90,18 @@ class TensorBoard:
     from tensorboard.plugins.hparams import summary_v2
     from tensorboard.summary.writer import event_file_writer
     self._event_pb2, self._summary_pb2 = event_pb2, summary_pb2
-    self._writer = event_file_writer.EventFileWriter(logdir)
+    # An object store has no append (its filesystem overwrites the file with each flush's
+    # bytes), so there the events go to a local file that flush() uploads whole.
+    self._logdir = epath.Path(logdir)
+    self._staging = None if run_dir.is_local(logdir) else tempfile.TemporaryDirectory()
+    self._writer = event_file_writer.EventFileWriter(
+        logdir if self._staging is None else self._staging.name)
     self._writer.add_event(event_pb2.Event(
         wall_time=time.time(), step=first_step,
         session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
     self._writer.add_event(event_pb2.Event(wall_time=time.time(), step=first_step,
                                            summary=summary_v2.hparams_pb(hparams)))
-    self._writer.flush()
+    self.flush()
 
   def write(self, step: int, values: dict[str, float]) -> None:
     summary = self._summary_pb2.Summary(value=[
@@ -102,10 +109,22 @@ class TensorBoard:
         for tag, value in values.items()])
     self._writer.add_event(self._event_pb2.Event(wall_time=time.time(), step=step,
                                                  summary=summary))
-    self._writer.flush()  # a log row every log_every steps: cheap, and nothing is lost
+    if self._staging is None:
+      self._writer.flush()  # a log row every log_every steps: cheap, and nothing is lost
+
+  def flush(self) -> None:
+    """Every event so far in the file; on an object store, uploaded."""
+    self._writer.flush()
+    if self._staging is not None:
+      self._logdir.mkdir(parents=True, exist_ok=True)
+      for path in epath.Path(self._staging.name).iterdir():
+        (self._logdir / path.name).write_bytes(path.read_bytes())
 
   def close(self) -> None:
+    self.flush()
     self._writer.close()
+    if self._staging is not None:
+      self._staging.cleanup()
 
 
 class WandB:
@@ -126,6 +145,9 @@ class WandB:
   def write(self, step: int, values: dict[str, float]) -> None:
     self._run.log(values, step=step)
 
+  def flush(self) -> None:
+    pass  # W&B streams each row to its own service
+
   def close(self) -> None:
     self._run.finish()
 
@@ -141,6 +163,10 @@ class Trackers:
     values = scalars(row, self._exit_layers)
     for tracker in self.trackers:
       tracker.write(step, values)
+
+  def flush(self) -> None:
+    for tracker in self.trackers:
+      tracker.flush()
 
   def close(self) -> None:
     for tracker in self.trackers:

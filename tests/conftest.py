@@ -10,6 +10,7 @@ import pathlib
 import shutil
 import tempfile
 
+import numpy as np
 import pytest
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -127,3 +128,15 @@ def keyed_forward(model, params, batch, rng, **kwargs) -> dict:
   size = batch["input_ids"].shape[0]
   out = jax.vmap(one)(jnp.arange(size), *(batch[k] for k in data.MODEL_INPUTS))
   return {k: jnp.moveaxis(v, 0, -2) for k, v in out.items()}
+
+
+def tensorboard_scalars(logdir):
+  """{tag: [(step, value)]} of a TensorBoard run directory, read by TensorBoard's own reader
+  (values as float32, its scalar type), and the reader."""
+  from tensorboard.backend.event_processing import event_accumulator
+  reader = event_accumulator.EventAccumulator(str(logdir),
+                                              size_guidance={event_accumulator.SCALARS: 0})
+  reader.Reload()
+  scalars = {tag: [(e.step, np.float32(e.value)) for e in reader.Scalars(tag)]
+             for tag in reader.Tags()["scalars"]}
+  return scalars, reader

@@ -7,14 +7,13 @@ import struct
 
 import numpy as np
 import pytest
-from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 
 from acl_jax import config as config_lib
 from acl_jax import run_dir
 from acl_jax import tracking
 from acl_jax import train
-from conftest import tiny_run_config
+from conftest import tensorboard_scalars, tiny_run_config
 
 
 class _Crash(Exception):
@@ -33,15 +32,6 @@ def expected_scalars(rows, exit_layers):
                                        exit_layers).items():
       out.setdefault(tag, []).append((row["step"], np.float32(value)))
   return out
-
-
-def tensorboard_scalars(logdir):
-  reader = event_accumulator.EventAccumulator(str(logdir),
-                                              size_guidance={event_accumulator.SCALARS: 0})
-  reader.Reload()
-  scalars = {tag: [(e.step, np.float32(e.value)) for e in reader.Scalars(tag)]
-             for tag in reader.Tags()["scalars"]}
-  return scalars, reader
 
 
 def wandb_history(run_file):
