@@ -58,17 +58,21 @@ def _masked_logsumexp(x: jax.Array, where: jax.Array) -> jax.Array:
   return peak[..., 0] + jnp.log(jnp.maximum(total, jnp.finfo(jnp.float32).tiny))
 
 
-def _supcon(features, labels, candidate, anchor, *, temperature) -> jax.Array:
+def _supcon(features, labels, candidate, anchor, *, temperature, raw=None) -> jax.Array:
   """SupCon over M elements: features [M, d], labels int [M], candidate and anchor bool [M].
 
   For each anchor i: -(1/|P(i)|) sum_{p in P(i)} [s_ip - logsumexp_{a in C(i)} s_ia], with C(i)
-  the candidates other than i and P(i) those of C(i) with i's label. Mean over anchors with
-  >= 1 positive; 0 when there is none. Elements that are not candidates take no part at all.
+  the candidates other than i and P(i) those of C(i) with i's label, and s_ij = z_i.z_j / tau
+  where z is the element normalized, or as it is where `raw` (bool [M]; None: nowhere). Mean
+  over anchors with >= 1 positive; 0 when there is none. Elements that are not candidates take
+  no part at all.
   """
   # Padding may hold anything (inf, NaN): zero it before it can reach a product whose
   # cotangent is zero but whose value is not finite.
   features = jnp.where(candidate[:, None], features.astype(jnp.float32), 0.0)
   z = _normalize(features)
+  if raw is not None:
+    z = jnp.where(raw[:, None], features, z)
   # 1/temperature magnifies matmul error; bf16 passes (TPU default) would be visible here.
   sim = jnp.matmul(z, z.T, precision=jax.lax.Precision.HIGHEST) / temperature
   others = candidate[None, :] & ~jnp.eye(features.shape[0], dtype=bool)
@@ -90,12 +94,14 @@ ANCHORS = ("all", "samples")
 
 
 def acl_embed(features, labels, label_embeddings, *, temperature, mask=None,
-              anchors="all") -> jax.Array:
+              anchors="all", normalize_labels=True) -> jax.Array:
   """ACL-Embed: SupCon over the samples and the label embeddings together.
 
   label_embeddings [K, d] are the classifier rows (row k = class k) and carry label k.
   anchors="all": samples and label embeddings are anchors; "samples": only the samples, the
-  label embeddings staying candidates and positives.
+  label embeddings staying candidates and positives. normalize_labels=False: the label
+  embeddings enter the similarities as they are (the samples are still normalized), so their
+  norms scale their logits.
   """
   if anchors not in ANCHORS:
     raise ValueError(f"anchors={anchors!r}; expected one of {ANCHORS}")
@@ -106,18 +112,20 @@ def acl_embed(features, labels, label_embeddings, *, temperature, mask=None,
   element_labels = jnp.concatenate([labels.astype(jnp.int32), jnp.arange(k, dtype=jnp.int32)])
   candidate = jnp.concatenate([valid, jnp.ones((k,), bool)])
   anchor = jnp.concatenate([valid, jnp.full((k,), anchors == "all")])
-  return _supcon(elements, element_labels, candidate, anchor, temperature=temperature)
+  raw = jnp.concatenate([jnp.zeros((n,), bool), jnp.full((k,), not normalize_labels)])
+  return _supcon(elements, element_labels, candidate, anchor, temperature=temperature, raw=raw)
 
 
 def acl_cl(student_features, student_label_embeddings, teacher_features,
            teacher_label_embeddings, labels, *, temperature, mask=None,
-           label_anchors=True) -> jax.Array:
+           label_anchors=True, normalize_labels=True) -> jax.Array:
   """ACL-CL: a student exit contrasted against itself and a stop-gradient teacher exit.
 
   Candidates: the student's samples [N, d] and label embeddings [K, d], and the teacher's
   samples and label embeddings (no gradient flows to the teacher). Anchors: the student's
   samples, plus its label embeddings when label_anchors. The teacher view of a sample is one of
-  its positives. `labels` and `mask` are shared by both views.
+  its positives. `labels` and `mask` are shared by both views. normalize_labels: as acl_embed's,
+  for both views' label embeddings.
   """
   n, k = student_features.shape[0], student_label_embeddings.shape[0]
   valid = _valid(mask, n) > 0
@@ -132,7 +140,9 @@ def acl_cl(student_features, student_label_embeddings, teacher_features,
   view_candidate = jnp.concatenate([valid, jnp.ones((k,), bool)])
   candidate = jnp.concatenate([view_candidate, view_candidate])
   anchor = jnp.concatenate([valid, jnp.full((k,), bool(label_anchors)), jnp.zeros((n + k,), bool)])
-  return _supcon(elements, element_labels, candidate, anchor, temperature=temperature)
+  view_raw = jnp.concatenate([jnp.zeros((n,), bool), jnp.full((k,), not normalize_labels)])
+  return _supcon(elements, element_labels, candidate, anchor, temperature=temperature,
+                 raw=jnp.concatenate([view_raw, view_raw]))
 
 
 def kd(student_logits, teacher_logits, *, temperature=1.0, mask=None) -> jax.Array:

@@ -69,12 +69,13 @@ def test_mse_matches_numpy():
 # Contrastive losses and KD. The references below loop over anchors and positives in float64,
 # written from docs/method.md ("Losses"), and share no code with acl_jax.losses.
 
-def np_supcon(vectors, labels, anchors, tau):
-  """SupCon over a list of candidate vectors; `anchors` are indices into it."""
+def np_supcon(vectors, labels, anchors, tau, raw=()):
+  """SupCon over a list of candidate vectors; `anchors` are indices into it, and those in `raw`
+  are not normalized."""
   z = []
-  for v in vectors:
+  for i, v in enumerate(vectors):
     norm = np.linalg.norm(v)
-    z.append(v / norm if norm > 0 else np.zeros_like(v))
+    z.append(v if i in raw else v / norm if norm > 0 else np.zeros_like(v))
   terms = []
   for i in anchors:
     others = [a for a in range(len(z)) if a != i]
@@ -92,23 +93,26 @@ def np_scl(features, labels, mask, tau):
                    range(len(keep)), tau)
 
 
-def np_acl_embed(features, labels, label_embeddings, mask, tau, anchors):
+def np_acl_embed(features, labels, label_embeddings, mask, tau, anchors, normalize_labels=True):
   keep = [i for i in range(len(labels)) if mask[i]]
   k = len(label_embeddings)
   vectors = [np.float64(features[i]) for i in keep] + [np.float64(w) for w in label_embeddings]
   element_labels = [labels[i] for i in keep] + list(range(k))
   n_anchors = len(keep) + k if anchors == "all" else len(keep)
-  return np_supcon(vectors, element_labels, range(n_anchors), tau)
+  raw = () if normalize_labels else range(len(keep), len(keep) + k)
+  return np_supcon(vectors, element_labels, range(n_anchors), tau, raw)
 
 
-def np_acl_cl(student, student_w, teacher, teacher_w, labels, mask, tau, label_anchors):
+def np_acl_cl(student, student_w, teacher, teacher_w, labels, mask, tau, label_anchors,
+              normalize_labels=True):
   keep = [i for i in range(len(labels)) if mask[i]]
-  k = len(student_w)
+  n, k = len(keep), len(student_w)
   view_labels = [labels[i] for i in keep] + list(range(k))
   vectors = ([np.float64(student[i]) for i in keep] + [np.float64(w) for w in student_w]
              + [np.float64(teacher[i]) for i in keep] + [np.float64(w) for w in teacher_w])
-  n_anchors = len(keep) + (k if label_anchors else 0)
-  return np_supcon(vectors, view_labels + view_labels, range(n_anchors), tau)
+  n_anchors = n + (k if label_anchors else 0)
+  raw = () if normalize_labels else [*range(n, n + k), *range(2 * n + k, 2 * n + 2 * k)]
+  return np_supcon(vectors, view_labels + view_labels, range(n_anchors), tau, raw)
 
 
 def np_kd(student, teacher, mask, temp):
@@ -143,25 +147,29 @@ def loss_cases(seed=0, tau=0.3):
   features, labels, mask, w, teacher, teacher_w = contrastive_batch(seed)
   logits, teacher_logits = features[:, :3] * 3, teacher[:, :3] * 3
 
-  def embed(anchors):
+  def embed(anchors, normalize=True):
     return (lambda f, lw, m=mask: losses.acl_embed(f, labels, lw, temperature=tau, mask=m,
-                                                   anchors=anchors),
-            lambda f, lw, m=mask: np_acl_embed(f, labels, lw, m, tau, anchors), (features, w))
+                                                   anchors=anchors, normalize_labels=normalize),
+            lambda f, lw, m=mask: np_acl_embed(f, labels, lw, m, tau, anchors, normalize),
+            (features, w))
 
-  def cl(label_anchors):
+  def cl(label_anchors, normalize=True):
     return (lambda f, lw, m=mask: losses.acl_cl(f, lw, teacher, teacher_w, labels,
                                                 temperature=tau, mask=m,
-                                                label_anchors=label_anchors),
+                                                label_anchors=label_anchors,
+                                                normalize_labels=normalize),
             lambda f, lw, m=mask: np_acl_cl(f, lw, teacher, teacher_w, labels, m, tau,
-                                            label_anchors), (features, w))
+                                            label_anchors, normalize), (features, w))
 
   return {
       "scl": (lambda f, m=mask: losses.scl(f, labels, temperature=tau, mask=m),
               lambda f, m=mask: np_scl(f, labels, m, tau), (features,)),
       "acl_embed_all": embed("all"),
       "acl_embed_samples": embed("samples"),
+      "acl_embed_raw_labels": embed("all", normalize=False),
       "acl_cl": cl(True),
       "acl_cl_no_label_anchors": cl(False),
+      "acl_cl_raw_labels": cl(True, normalize=False),
       "kd": (lambda s, m=mask: losses.kd(s, teacher_logits, temperature=2.0, mask=m),
              lambda s, m=mask: np_kd(s, teacher_logits, m, 2.0), (logits,)),
   }
@@ -233,6 +241,8 @@ def test_padded_rows_with_garbage_change_nothing(name):
 
 @pytest.mark.parametrize("name", [c for c in CASES if c != "kd"])
 def test_invariant_to_batch_permutation_and_row_scaling(name):
+  """Normalized vectors make every loss blind to each row's scale, except raw label embeddings,
+  whose scale is then their logits'."""
   features, labels, mask, w, teacher, teacher_w = contrastive_batch(5)
   rng = np.random.default_rng(5)
   perm = rng.permutation(len(labels))
@@ -242,16 +252,23 @@ def test_invariant_to_batch_permutation_and_row_scaling(name):
   def loss(f, y, m, lw, t):
     if name == "scl":
       return losses.scl(f, y, temperature=0.3, mask=m)
+    normalize = not name.endswith("raw_labels")
     if name.startswith("acl_embed"):
-      return losses.acl_embed(f, y, lw, temperature=0.3, mask=m, anchors=name.split("_")[-1])
+      return losses.acl_embed(f, y, lw, temperature=0.3, mask=m, normalize_labels=normalize,
+                              anchors="samples" if name.endswith("samples") else "all")
     return losses.acl_cl(f, lw, t, teacher_w, y, temperature=0.3, mask=m,
-                         label_anchors=name == "acl_cl")
+                         label_anchors=name != "acl_cl_no_label_anchors",
+                         normalize_labels=normalize)
 
   base = loss(features, labels, mask, w, teacher)
   np.testing.assert_allclose(
       loss(features[perm], labels[perm], mask[perm], w, teacher[perm]), base, rtol=1e-5)
-  np.testing.assert_allclose(
-      loss(features * scale, labels, mask, w * w_scale, teacher), base, rtol=1e-5)
+  np.testing.assert_allclose(loss(features * scale, labels, mask, w, teacher), base, rtol=1e-5)
+  scaled_labels = loss(features, labels, mask, w * w_scale, teacher)
+  if name.endswith("raw_labels"):
+    assert abs(scaled_labels - base) > 1e-2
+  else:
+    np.testing.assert_allclose(scaled_labels, base, rtol=1e-5)
 
 
 def test_zero_vectors_and_lonely_anchors_stay_finite():
