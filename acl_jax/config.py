@@ -46,6 +46,7 @@ CHOICES = {
     "gate_granularity": objectives.GATE_GRANULARITIES,
     "teacher": objectives.TEACHERS,
     "anchors": losses.ANCHORS,
+    "cl_anchors": losses.ANCHORS,
     "exit_weights": multi_exit.EXIT_WEIGHTS,
     "pooler_weights": multi_exit.POOLER_WEIGHTS,
     "pooler_input": multi_exit.POOLER_INPUTS,
@@ -72,6 +73,9 @@ def defaults(task: data.TaskSpec) -> ml_collections.ConfigDict:
   config.aux_weight = 0.5
   config.temperature = 0.3  # tau, of every contrastive term
   config.anchors = "all"  # ACL-Embed anchors: all (samples and label embeddings) | samples.
+  # Label embeddings normalized like the samples (cosine), the method's default; false: as
+  # they are, so their norms scale their logits (ACL-Embed and ACL-CL).
+  config.normalize_label_embeddings = True
   # Compute CE's and the auxiliary term's gradients separately even when the objective does
   # not gate, to log their cosine (the pilot experiment); costs a second backward pass.
   config.measure_conflict = False
@@ -92,6 +96,8 @@ def defaults(task: data.TaskSpec) -> ml_collections.ConfigDict:
   config.gate_chunk = 1
   config.cl_weight = 0.5  # mu: weight of ACL-CL (objective acl_cl)
   config.teacher = "last"  # ACL-CL teacher: last exit | deeper (every deeper exit, averaged)
+  # ACL-CL anchors: all (the student's samples and label embeddings) | samples.
+  config.cl_anchors = "all"
   config.kd_temperature = 2.0  # objective kd: softening temperature of the last-exit teacher
   config.seed = 0
 
@@ -263,6 +269,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if spec.multi_exit_only and not config.multi_exit:
     raise ValueError(f"config.objective={config.objective!r} needs a multi-exit model: add the "
                      f"`multi_exit` preset (configs/glue.py:<task>,multi_exit,objective=...).")
+  if config.objective == "deebert" and config.pooler_weights != "per_exit":
+    raise ValueError("config.objective='deebert' trains each off-ramp's own pooler and "
+                     "classifier in its second stage, as DeeBERT does: add "
+                     "pooler_weights=per_exit.")
   if spec.aux and task.is_regression:
     raise ValueError(f"config.objective={config.objective!r} is contrastive and needs class "
                      f"labels; {task.name} is a regression task: use objective=ce (MSE).")

@@ -42,10 +42,13 @@ OBJECTIVES = {
     "acl_embed": Objective(aux="acl_embed"),  # ACL-Embed without gating
     "acl": Objective(aux="acl_embed", gate_mode="drop"),  # ACL-BERT: ACL-Embed + ACL-Grad
     "acl_project": Objective(aux="acl_embed", gate_mode="project"),  # PCGrad-style ablation
-    # Multi-exit: self-distillation from the last exit (baseline); ACL-Embed + ACL-CL, gated;
-    # DeeBERT's two stages (final exit, then the other exits on a frozen backbone).
+    # Multi-exit: self-distillation from the last exit (baseline); ACL-Embed + ACL-CL, gated,
+    # and its two gate ablations; DeeBERT's two stages (final exit, then the other exits'
+    # off-ramps on a frozen backbone).
     "kd": Objective(aux="kd", multi_exit_only=True),
     "acl_cl": Objective(aux="acl_cl", gate_mode="drop", multi_exit_only=True),
+    "acl_cl_ungated": Objective(aux="acl_cl", multi_exit_only=True),
+    "acl_cl_project": Objective(aux="acl_cl", gate_mode="project", multi_exit_only=True),
     "deebert": Objective(multi_exit_only=True),
 }
 GATE_GRANULARITIES = ("per_exit", "global")
@@ -62,8 +65,10 @@ class Stage:
 
 
 def stages_of(config, model) -> list[Stage]:
-  """One stage, except DeeBERT: the final exit with the whole model, then every other exit
-  with the backbone and the final exit frozen (as many steps again)."""
+  """One stage, except DeeBERT: the final exit with the whole model, then every other exit's
+  off-ramp (its own pooler and classifier: config.validate requires pooler_weights=per_exit)
+  with the backbone and the final exit frozen, as many steps again. As DeeBERT does, the
+  second stage sums the off-ramps' losses (config.exit_weights does not apply)."""
   if not config.multi_exit:
     return [Stage("train", config.objective, None)]
   layers = model.resolved_exit_layers()
@@ -72,11 +77,9 @@ def stages_of(config, model) -> list[Stage]:
                   multi_exit.exit_weights(config.exit_weights, layers))]
   final = np.zeros(len(layers), np.float32)
   final[-1] = 1.0
-  others = multi_exit.exit_weights(config.exit_weights, layers[:-1])
   frozen_roots = ("bert", f"exit_{layers[-1]}")
   return [Stage("final_exit", "ce", final),
-          Stage("other_exits", "ce", np.append(others, 0.0).astype(np.float32),
-                frozen=lambda names: names[0] in frozen_roots)]
+          Stage("other_exits", "ce", 1.0 - final, frozen=lambda names: names[0] in frozen_roots)]
 
 
 def task_loss(task: data.TaskSpec, logits, labels, mask) -> jax.Array:
@@ -111,8 +114,8 @@ def make_train_step(model, tx, schedule, task: data.TaskSpec, config,
   """Returns the pure step (state, batch, rng) -> (state, metrics), to be jitted once.
 
   config: the run's config (acl_jax.config), read for the objective's knobs (aux_weight,
-  temperature, anchors, cl_weight, teacher, kd_temperature, gate_granularity, gate_chunk,
-  measure_conflict); stage: its objective, exit weights and frozen parameters (None: the
+  temperature, anchors, cl_anchors, normalize_label_embeddings, cl_weight, teacher,
+  kd_temperature, gate_granularity, gate_chunk, measure_conflict); stage: its objective, exit weights and frozen parameters (None: the
   config's first stage, `stages_of(config, model)[0]`).
 
   The loss terms are, for every exit e, w_e * CE_e and w_e * aux_e (aux_e already carries
@@ -153,13 +156,15 @@ def make_train_step(model, tx, schedule, task: data.TaskSpec, config,
                                             mask=mask))(logits)
       return aux_weight * jnp.where(shallow, distil, 0.0)
     embed = jax.vmap(lambda h, l: losses.acl_embed(
-        h, labels, l, temperature=temperature, mask=mask, anchors=config.anchors))(
-            pooled, label_emb)
+        h, labels, l, temperature=temperature, mask=mask, anchors=config.anchors,
+        normalize_labels=config.normalize_label_embeddings))(pooled, label_emb)
     if spec.aux == "acl_embed":
       return aux_weight * embed
     # ACL-CL: student e against teacher t; [E, E] pairs, kept where t is e's teacher.
-    pair = lambda hs, ls, ht, lt: losses.acl_cl(hs, ls, ht, lt, labels,
-                                                temperature=temperature, mask=mask)
+    pair = lambda hs, ls, ht, lt: losses.acl_cl(
+        hs, ls, ht, lt, labels, temperature=temperature, mask=mask,
+        label_anchors=config.cl_anchors == "all",
+        normalize_labels=config.normalize_label_embeddings)
     if config.teacher == "last":
       contrast = jax.vmap(pair, in_axes=(0, 0, None, None))(pooled, label_emb, pooled[-1],
                                                             label_emb[-1])

@@ -80,7 +80,8 @@ RENAMED_FIELDS = {"lambda": "aux_weight", "gate": "gate_granularity",
 # Config fields added after runs were recorded, with the value those runs had: a config.json
 # without one reads as holding it.
 ADDED_FIELDS = {"pooler_input": "cls", "microbatch_size": 0, "checkpoint_every_minutes": 0.0,
-                "tensorboard": False, "wandb_project": "", "wandb_entity": ""}
+                "tensorboard": False, "wandb_project": "", "wandb_entity": "",
+                "normalize_label_embeddings": True, "cl_anchors": "all"}
 
 
 def upgrade_config(saved: dict[str, Any]) -> dict[str, Any]:

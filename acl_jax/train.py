@@ -139,6 +139,21 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     return _train(config, workdir, task, mesh, is_main, stop_requests)
 
 
+def summarize_window(window: list[dict[str, Any]]) -> dict[str, Any]:
+  """A log line's numbers from the steps since the last one: each term's mean (per exit where
+  it has one value per exit) and the last lr. With the gate's terms, also the share of steps
+  whose CE and auxiliary gradients conflicted (dot < 0; `kept` is its complement only under
+  gate mode drop) and the cosine's min and max, which the mean hides."""
+  logged = {k: np.mean([m[k] for m in window], axis=0) for k in window[0]}
+  logged["lr"] = window[-1]["lr"]
+  if "dot" in window[0]:
+    dot = np.stack([m["dot"] for m in window])
+    cosine = np.stack([m["cosine"] for m in window])
+    logged.update(conflict_rate=np.mean(dot < 0, axis=0), cosine_min=cosine.min(axis=0),
+                  cosine_max=cosine.max(axis=0))
+  return logged
+
+
 def timed_save_due(last_save: float, minutes: float) -> bool:
   """Whether `minutes` have passed since the monotonic time `last_save` (0: never).
 
@@ -272,9 +287,7 @@ def _train(config, workdir: epath.Path, task: data.TaskSpec, mesh, is_main: bool
           elapsed = time.perf_counter() - window_start
           train_seconds += elapsed
           train_examples += window_examples
-          # Means over the window, per exit where a term has one value per exit.
-          logged = {k: np.mean([m[k] for m in window], axis=0) for k in window[0]}
-          logged["lr"] = window[-1]["lr"]
+          logged = summarize_window(window)
           logged.update(epoch=batch_epoch, stage=stage.name,
                         examples_per_s=window_examples / elapsed,
                         compilations=compilations + traces())

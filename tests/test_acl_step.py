@@ -147,6 +147,27 @@ def test_acl_run_logs_gate_terms(tiny_bert_dir, glue_dir, tmp_path):
   for row in rows:
     assert {"ce", "aux", "cosine", "kept", "dot"} <= set(row)
     assert 0.0 <= row["kept"] <= 1.0 and -1.0 <= row["cosine"] <= 1.0
+    # Per-step statistics of the 2-step window: under gate mode drop a step is kept exactly
+    # when its gradients do not conflict (the step's own decision, made in the graph).
+    assert row["conflict_rate"] in (0.0, 0.5, 1.0)
+    assert row["conflict_rate"] == pytest.approx(1.0 - row["kept"])
+    assert -1.0 <= row["cosine_min"] <= row["cosine"] <= row["cosine_max"] <= 1.0
+
+
+def test_a_log_line_keeps_the_conflict_rate_and_the_cosine_range_per_exit():
+  window = [{"loss": 1.0, "lr": 0.1, "dot": np.array([-1.0, 2.0]),
+             "cosine": np.array([-0.5, 0.2])},
+            {"loss": 3.0, "lr": 0.2, "dot": np.array([0.5, 1.0]),
+             "cosine": np.array([0.1, 0.4])},
+            {"loss": 2.0, "lr": 0.3, "dot": np.array([-0.1, 0.0]),
+             "cosine": np.array([-0.05, 0.0])}]
+  logged = train.summarize_window(window)
+  assert logged["loss"] == 2.0 and logged["lr"] == 0.3
+  np.testing.assert_allclose(logged["conflict_rate"], [2 / 3, 0.0])  # a zero dot keeps
+  np.testing.assert_allclose(logged["cosine"], [-0.15, 0.2])
+  np.testing.assert_allclose(logged["cosine_min"], [-0.5, 0.0])
+  np.testing.assert_allclose(logged["cosine_max"], [0.1, 0.4])
+  assert "conflict_rate" not in train.summarize_window([{"loss": 1.0, "lr": 0.1}])
 
 
 def test_contrastive_objective_on_regression_task_is_refused(tiny_bert_dir, glue_dir, tmp_path):

@@ -41,7 +41,7 @@ def setup(minilm_dir, glue_dir, tmp_path_factory):
   return ckpt, task, model, params, batches, tx, schedule, weights
 
 
-def exit_terms(model, params, batch, rng, objective):
+def exit_terms(model, params, batch, rng, objective, *, cl_anchors="all", normalize=True):
   """Per-exit CE and aux (lambda, mu included), written out exit by exit."""
   out = keyed_forward(model, params, batch, rng)
   layers = model.resolved_exit_layers()
@@ -55,27 +55,28 @@ def exit_terms(model, params, batch, rng, objective):
                                     mask=mask) if i < len(layers) - 1 else 0.0)
       continue
     term = LAMBDA * losses.acl_embed(out["pooled"][i], labels, emb[i], temperature=TEMPERATURE,
-                                     mask=mask)
-    if objective == "acl_cl" and i < len(layers) - 1:
+                                     mask=mask, normalize_labels=normalize)
+    if objective.startswith("acl_cl") and i < len(layers) - 1:
       term += MU * losses.acl_cl(out["pooled"][i], emb[i], out["pooled"][-1], emb[-1], labels,
-                                 temperature=TEMPERATURE, mask=mask)
+                                 temperature=TEMPERATURE, mask=mask,
+                                 label_anchors=cl_anchors == "all", normalize_labels=normalize)
     aux.append(term)
   return ce, aux
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5))
-def _reference_grads(model, params, batch, rng, weights, objective):
+@functools.partial(jax.jit, static_argnums=(0, 5), static_argnames=("cl_anchors", "normalize"))
+def _reference_grads(model, params, batch, rng, weights, objective, **switches):
   """Exit e's CE and aux gradients, each from its own jax.grad (2E separate calls)."""
   def grad(i, which):
-    return jax.grad(
-        lambda p: weights[i] * exit_terms(model, p, batch, rng, objective)[which][i])(params)
+    return jax.grad(lambda p: weights[i] * exit_terms(model, p, batch, rng, objective,
+                                                      **switches)[which][i])(params)
   n = len(model.resolved_exit_layers())
   return [grad(i, 0) for i in range(n)], [grad(i, 1) for i in range(n)]
 
 
-def reference_grads(model, params, batch, rng, weights, objective):
+def reference_grads(model, params, batch, rng, weights, objective, **switches):
   return jax.tree.map(np.float64, _reference_grads(model, params, batch, rng, weights,
-                                                   objective))
+                                                   objective, **switches))
 
 
 def tree_dot(a, b):
@@ -118,14 +119,21 @@ def assert_trees_close(a, b, before=None):
                                                          jax.tree.leaves(before)))
 
 
-# gate_chunk 1 is the default; 2 over 3 exits pads the last chunk with a zero exit.
-@pytest.mark.parametrize("objective,gate_chunk", [("acl", 2), ("acl_cl", 1)])
-def test_per_exit_gate_equals_exit_by_exit_reference(setup, objective, gate_chunk):
+# gate_chunk 1 is the default; 2 over 3 exits pads the last chunk with a zero exit. ACL-CL
+# runs with its switches (anchors on the samples only, raw label embeddings) in the step's
+# config and in the reference; ACL-Embed with the defaults.
+@pytest.mark.parametrize("objective,gate_chunk,switches", [
+    ("acl", 2, {}), ("acl_cl", 1, {"cl_anchors": "samples", "normalize": False})])
+def test_per_exit_gate_equals_exit_by_exit_reference(setup, objective, gate_chunk, switches):
   _, task, model, params, batches, tx, schedule, weights = setup
+  step_switches = {("normalize_label_embeddings" if k == "normalize" else k): v
+                   for k, v in switches.items()}
   decisions = []
   for b in range(len(batches)):
-    new_state, metrics, rng = run_step(setup, b, objective=objective, gate_chunk=gate_chunk)
-    g_ce, g_aux = reference_grads(model, params, batches[b], rng, weights, objective)
+    new_state, metrics, rng = run_step(setup, b, objective=objective, gate_chunk=gate_chunk,
+                                       **step_switches)
+    g_ce, g_aux = reference_grads(model, params, batches[b], rng, weights, objective,
+                                  **switches)
     total = jax.tree.map(np.zeros_like, g_ce[0])
     for e in range(len(weights)):
       dot = tree_dot(g_ce[e], g_aux[e])
@@ -152,6 +160,25 @@ def test_global_gate_is_one_decision_on_the_sums(setup):
     assert_trees_close(new_state.params, apply(tx, params, expected), params)
 
 
+def test_acl_cl_project_removes_the_conflicting_component_of_the_sums(setup):
+  """Gate mode project under the global gate: on conflict the summed aux gradient loses its
+  component along the summed CE gradient (PCGrad, one-sided)."""
+  _, task, model, params, batches, tx, schedule, weights = setup
+  conflicts = []
+  for b in range(len(batches)):
+    new_state, metrics, rng = run_step(setup, b, objective="acl_cl_project",
+                                       gate_granularity="global")
+    g_ce, g_aux = reference_grads(model, params, batches[b], rng, weights, "acl_cl")
+    ce_sum = jax.tree.map(lambda *g: sum(g), *g_ce)
+    aux_sum = jax.tree.map(lambda *g: sum(g), *g_aux)
+    dot = tree_dot(ce_sum, aux_sum)
+    conflicts.append(dot < 0)
+    scale = min(dot, 0.0) / tree_dot(ce_sum, ce_sum)
+    expected = jax.tree.map(lambda c, a: c + a - scale * c, ce_sum, aux_sum)
+    assert_trees_close(new_state.params, apply(tx, params, expected), params)
+  assert any(conflicts), "no batch conflicted: the projection went untested"
+
+
 def test_kd_is_the_weighted_sum_with_distillation_on_shallow_exits(setup):
   _, task, model, params, batches, tx, schedule, weights = setup
   new_state, metrics, rng = run_step(setup, 0, objective="kd")
@@ -165,11 +192,18 @@ def multi_exit_config(ckpt, glue_dir, preset):
   return tiny_run_config(ckpt, glue_dir, f"rte,multi_exit,{preset}")
 
 
-def test_deebert_second_stage_trains_only_the_shallow_exits(setup, glue_dir, tmp_path):
-  ckpt, task, model, params, batches, tx, schedule, weights = setup
-  config = multi_exit_config(ckpt, glue_dir, "objective=deebert,max_steps=2")
+def test_deebert_second_stage_trains_only_the_off_ramps(setup, glue_dir, tmp_path):
+  """Stage 2 trains each shallow exit's off-ramp (its own pooler and classifier) on the summed
+  off-ramp losses, as DeeBERT does; the backbone and the final exit stay frozen."""
+  ckpt, task, _, _, batches, _, _, _ = setup
+  config = multi_exit_config(ckpt, glue_dir, "objective=deebert,pooler_weights=per_exit,"
+                             "max_steps=2")
+  model = models.from_config(config, hf_weights.load_config(ckpt), task.num_labels)
+  params = multi_exit.init_per_exit_poolers(
+      model.init(jax.random.key(0), *(jnp.zeros((1, 8), jnp.int32),) * 3)["params"])
   stages = objectives.stages_of(config, model)
   assert [s.name for s in stages] == ["final_exit", "other_exits"]
+  np.testing.assert_array_equal(stages[1].exit_weights, [1.0, 1.0, 0.0])  # a sum
   config.warmup_ratio = 0.0
   frozen_tx, frozen_schedule = optim.create_optimizer(config, 10, frozen=stages[1].frozen)
   make_step = lambda frozen: objectives.make_train_step(
@@ -184,7 +218,7 @@ def test_deebert_second_stage_trains_only_the_shallow_exits(setup, glue_dir, tmp
   flops = lambda s: s.lower(state, batches[0], jax.random.key(0)).compile().cost_analysis()[
       "flops"]
   assert flops(step) < 0.6 * flops(jax.jit(make_step(None)))
-  # ... and the logged grad_norm is the trained exits' gradient norm (what clipping sees).
+  # ... and the logged grad_norm is the off-ramps' gradient norm (what clipping sees).
   g_ce, _ = reference_grads(model, params, batches[0], jax.random.fold_in(jax.random.key(0), 3),
                             jnp.asarray(stages[1].exit_weights), "kd")
   total = jax.tree.map(lambda *g: sum(g), *g_ce)
@@ -196,6 +230,7 @@ def test_deebert_second_stage_trains_only_the_shallow_exits(setup, glue_dir, tmp
                              jax.tree.leaves(new_state.params[root])):
       np.testing.assert_array_equal(before, after)
   for root in ("exit_1", "exit_2"):
+    assert set(params[root]) == {"pooler", "classifier"}
     changed = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params[root]),
                                                          jax.tree.leaves(new_state.params[root]))]
     assert all(changed)
@@ -204,6 +239,10 @@ def test_deebert_second_stage_trains_only_the_shallow_exits(setup, glue_dir, tmp
   results = train.train_and_evaluate(config, str(tmp_path / "deebert"))
   assert [h["stage"] for h in results["history"]] == ["final_exit", "other_exits"]
   assert results["train"]["steps"] == 4
+  shared = multi_exit_config(ckpt, glue_dir, "max_steps=2")
+  shared.objective = "deebert"
+  with pytest.raises(ValueError, match="pooler_weights=per_exit"):
+    config_lib.validate(shared)
 
 
 @pytest.fixture(scope="module")

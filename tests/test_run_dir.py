@@ -97,7 +97,8 @@ def test_deebert_resumes_at_and_after_its_stage_boundary(tiny_bert_dir, glue_dir
   """DeeBERT's two stages: a crash right after the stage-1 end checkpoint and one inside
   stage 2 both resume to the uninterrupted run's parameters."""
   config = tiny_run_config(tiny_bert_dir, glue_dir,
-                           "rte,multi_exit,objective=deebert,max_steps=6,checkpoint_every=2",
+                           "rte,multi_exit,objective=deebert,pooler_weights=per_exit,max_steps=6,"
+                           "checkpoint_every=2",
                            learning_rate=1e-3)
   reference = train.train_and_evaluate(config, tmp_path / "reference")
   ref_params = run_dir.load_params(tmp_path / "reference")[0]
