@@ -47,7 +47,8 @@ its record; a point done without the sweep is queued again for the sweep only.
 `--dry_run` prints what would run; `--report` prints each (task, objective)'s table of values
 and its best point on the first of --seeds. SIGTERM is passed on to the runs (which save a
 checkpoint and exit 75), and the workers then stop; the command exits 75. Ctrl-C stops them
-the same way (the terminal signals the runs itself). Summarize with experiments/summarize.py.
+the same way (the terminal signals the runs itself). A failed run makes the command exit 1.
+Summarize with experiments/summarize.py.
 """
 
 import argparse
@@ -375,6 +376,13 @@ class Grid:
           child.send_signal(signal.SIGTERM)
 
   def work(self, cores: set[int] | None) -> None:
+    try:
+      self.take_trials(cores)
+    except BaseException:
+      self.failed = True  # the thread prints the traceback; the command must not exit 0
+      raise
+
+  def take_trials(self, cores: set[int] | None) -> None:
     for cell in self.cells:
       # One Study object per worker: a study's stop flag is shared by its optimize() calls.
       study = load_study(self.storage, cell)
