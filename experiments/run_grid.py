@@ -273,13 +273,13 @@ def load_study(storage, cell: Cell, *, create: bool = True) -> optuna.Study | No
   """The cell's study over a GridSampler of its points (None: not created yet, or no storage).
 
   Queued trials carry their parameters; the sampler places any trial a worker opens when the
-  queue has just emptied (workers race for the last one) on a grid point, which
-  earlier_holder() then finds taken.
+  queue has just emptied (workers of two processes race for the last one) on a grid point,
+  which earlier_holder() then checks like any other.
   """
   if storage is None:
     return None
   sampler = optuna.samplers.GridSampler(
-      {name: list(point_values(cell, name)) for name in cell.distributions}, seed=0)
+      {name: point_values(cell, name) for name in cell.distributions}, seed=0)
   if not create:
     try:
       return optuna.load_study(study_name=cell.study_name, storage=storage, sampler=sampler)
