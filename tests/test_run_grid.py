@@ -1,9 +1,16 @@
-"""experiments/run_grid.py: a grid of real (tiny) runs, two at a time, each pinned to its cores."""
+"""experiments/run_grid.py: grids of real (tiny) runs as Optuna studies, shared by worker
+processes, each run pinned to its cores."""
 
+import argparse
+import json
 import os
+import pathlib
+import signal
 import subprocess
 import sys
+import time
 
+import optuna
 import pytest
 
 from conftest import REPO_ROOT
@@ -23,62 +30,173 @@ def test_core_groups_split_the_usable_cores():
   assert run_grid.xla_thread_flags(2) == "--xla_cpu_multi_thread_eigen=true"
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two usable cores")
-def test_two_runs_at_once_finish_and_a_rerun_skips_them(tiny_bert_dir, glue_dir, tmp_path):
-  records = tmp_path / "records"
-  command = [sys.executable, "experiments/run_grid.py", "--root", str(tmp_path / "grid"),
-             "--records", str(records),
-             "--tasks", "rte", "--objectives", "ce", "--seeds", "0,1", "--parallel", "2",
-             "--preset", f"model={tiny_bert_dir},max_steps=2,batch_size=8,max_length=32"]
-  env = {**os.environ, "GLUE_DIR": str(glue_dir), "ACL_JAX_CACHE": str(tmp_path / "cache"),
-         "HF_HUB_OFFLINE": "1"}
+def grid_args(**flags) -> argparse.Namespace:
+  defaults = dict(tasks="rte", objectives="ce", seeds="0", preset="model=minilm", grid=[],
+                  study=None)
+  return argparse.Namespace(**{**defaults, **flags})
+
+
+def test_grid_points_names_and_bad_flags(tmp_path):
+  # Without --grid, today's names (so existing records count); with it, fields in name order,
+  # each value read as its field's type (5e-5 and 0.00005 are one point).
+  (cell,) = run_grid.make_cells(grid_args(seeds="0,1"), tmp_path)
+  assert [p.workdir.name for p in cell.points] == ["rte_ce_s0", "rte_ce_s1"]
+  assert cell.study_name == f"{tmp_path.name}/rte/ce"
+  (cell,) = run_grid.make_cells(grid_args(objectives="acl", study="s", grid=[
+      "temperature=0.5", "lambda=0.3,0.9", "learning_rate=5e-5,0.00005"]), tmp_path)
+  assert cell.study_name == "s/rte/acl"
+  assert [p.workdir.name for p in cell.points] == [
+      "rte_acl_s0_aux_weight=0.3_learning_rate=5e-05_temperature=0.5",
+      "rte_acl_s0_aux_weight=0.9_learning_rate=5e-05_temperature=0.5"]
+  assert cell.points[0].params == {"seed": 0, "aux_weight": 0.3, "learning_rate": 5e-5,
+                                   "temperature": 0.5}
+  assert cell.points[0].preset == ("rte,model=minilm,objective=acl,seed=0,aux_weight=0.3,"
+                                   "learning_rate=5e-05,temperature=0.5")
+  # Numbers get ranges, so later commands may run other seeds or values in the same study.
+  assert isinstance(cell.distributions["aux_weight"], optuna.distributions.FloatDistribution)
+  assert isinstance(cell.distributions["seed"], optuna.distributions.IntDistribution)
+  for flags, message in [
+      (dict(grid=["aux_wieght=0.1"]), "did you mean 'aux_weight'"),
+      (dict(grid=["aux_weight=big"]), "--grid aux_weight=big: .*expected float"),
+      (dict(grid=["aux_weight"]), "expected FIELD=V1,V2"),
+      (dict(grid=["seed=1,2"]), "--seeds"),
+      (dict(grid=["lr=1e-4", "learning_rate=2e-4"]), "already an axis"),
+      (dict(grid=["lr=1e-4"], preset="model=minilm,lr=2e-4"), "also set by --preset"),
+      (dict(seeds="0,x"), "--seeds '0,x'"),
+      (dict(objectives="acl_cl"), "grid point 'rte,model=minilm,objective=acl_cl.*multi_exit"),
+  ]:
+    with pytest.raises(SystemExit, match=message):
+      run_grid.make_cells(grid_args(**flags), tmp_path)
+
+
+def tiny_grid(tiny_bert_dir, root, *extra, preset=""):
+  return [sys.executable, "experiments/run_grid.py", "--root", str(root), "--tasks", "rte",
+          "--objectives", "ce", "--preset",
+          f"model={tiny_bert_dir},max_steps=2,batch_size=8,max_length=32{preset}", *extra]
+
+
+@pytest.fixture
+def grid_env(glue_dir, tmp_path):
+  # One compilation cache for the runs of a test: later runs load what the first compiled.
+  return {**os.environ, "GLUE_DIR": str(glue_dir), "ACL_JAX_CACHE": str(tmp_path / "cache"),
+          "HF_HUB_OFFLINE": "1"}
+
+
+def run(command, env, **kwargs):
   proc = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                        timeout=600)
-  assert proc.returncode == 0, proc.stdout + proc.stderr
-  assert proc.stdout.count("ok in") == 2, proc.stdout
-  assert "(cores [" in proc.stdout
-  for seed in (0, 1):
-    assert (tmp_path / "grid" / f"rte_ce_s{seed}" / "eval_results.json").exists()
-  again = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                         timeout=600)
-  assert "0 runs to do" in again.stdout
-  for seed in (0, 1):  # the small files are kept as the run's record; checkpoints are not
-    kept = sorted(p.name for p in (records / f"rte_ce_s{seed}").iterdir())
-    assert kept == ["config.json", "eval_results.json", "log.txt", "metrics.jsonl"], kept
-  # On a machine whose run directories are gone, the records alone finish the grid.
-  fresh = [arg if arg != str(tmp_path / "grid") else str(tmp_path / "fresh") for arg in command]
-  elsewhere = subprocess.run(fresh + ["--dry_run"], cwd=REPO_ROOT, env=env,
-                             capture_output=True, text=True, timeout=600)
-  assert "0 runs to do" in elsewhere.stdout, elsewhere.stdout + elsewhere.stderr
+                        timeout=600, **kwargs)
+  return proc, proc.stdout + proc.stderr
 
 
-def test_early_exit_sweeps_a_multi_exit_run_before_recording_it(tiny_bert_dir, glue_dir,
+def trainings(workdir: pathlib.Path) -> int:
+  """How many times a run started training in this workdir (its log's start lines)."""
+  return (workdir / "log.txt").read_text().count(" train examples, ")
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two usable cores")
+def test_two_worker_processes_share_one_study(tiny_bert_dir, grid_env, tmp_path):
+  """Two processes at once (one with two pinned workers) on one SQLite study: every point of
+  a 2 seeds x 2 learning rates grid completes once, trains once and leaves its record."""
+  records, storage = tmp_path / "records", f"sqlite:///{tmp_path / 'shared.db'}"
+  grid = ["--seeds", "0,1", "--grid", "learning_rate=1e-4,2e-4", "--records", str(records),
+          "--storage", storage]
+  command = tiny_grid(tiny_bert_dir, tmp_path / "grid", *grid)
+  workers = [subprocess.Popen(command + parallel, cwd=REPO_ROOT, env=grid_env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for parallel in (["--parallel", "2"], [])]
+  outputs = [worker.communicate(timeout=600)[0] for worker in workers]
+  assert [worker.returncode for worker in workers] == [0, 0], outputs
+  assert sum(out.count("ok in") for out in outputs) == 4, outputs
+  assert "(cores [" in outputs[0]
+
+  study = optuna.load_study(study_name="grid/rte/ce", storage=storage)
+  complete = study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))
+  points = sorted((t.params["seed"], t.params["learning_rate"]) for t in complete)
+  assert points == [(0, 1e-4), (0, 2e-4), (1, 1e-4), (1, 2e-4)], outputs
+  others = [t for t in study.trials if t.state != optuna.trial.TrialState.COMPLETE]
+  # Workers that start together may queue a point twice; the later copy never runs.
+  assert all(t.state == optuna.trial.TrialState.PRUNED and "duplicate_of" in t.user_attrs
+             for t in others), [(t.number, t.state, t.params) for t in others]
+  for trial in complete:
+    name = f"rte_ce_s{trial.params['seed']}_learning_rate={trial.params['learning_rate']}"
+    workdir, record = tmp_path / "grid" / name, records / name
+    assert trainings(workdir) == 1
+    assert sorted(p.name for p in record.iterdir()) == [
+        "config.json", "eval_results.json", "log.txt", "metrics.jsonl"]
+    results = json.loads((record / "eval_results.json").read_text())
+    assert trial.value == results["final"]["validation"]["accuracy"]
+    assert trial.user_attrs["workdir"] == str(workdir)
+    assert trial.user_attrs["record"] == str(record)
+    assert trial.user_attrs["command"].endswith(f"--workdir={workdir}")
+    assert trial.user_attrs["metric"] == "validation/accuracy (final)"
+
+  proc, out = run(command, grid_env)  # a rerun finds every point done
+  assert proc.returncode == 0 and "0 runs to do" in out, out
+  assert len(optuna.load_study(study_name="grid/rte/ce", storage=storage).trials) == len(
+      study.trials)
+  # On a machine whose run directories and study are gone, the records alone finish the grid.
+  fresh = tiny_grid(tiny_bert_dir, tmp_path / "fresh", *grid[:-2])
+  proc, out = run(fresh, grid_env)
+  assert proc.returncode == 0 and "0 runs to do" in out and "ok in" not in out, out
+  again = optuna.load_study(study_name="fresh/rte/ce",
+                            storage=f"sqlite:///{tmp_path / 'fresh' / 'study.db'}")
+  assert sorted(t.value for t in again.trials) == sorted(t.value for t in complete)
+  assert not [p for p in (tmp_path / "fresh").iterdir() if p.name != "study.db"]
+  proc, out = run(fresh + ["--report"], grid_env)
+  assert proc.returncode == 0, out
+  assert "fresh/rte/ce: validation/accuracy (final); best on seed 0: learning_rate=" in out
+  assert "| learning_rate | s0 | s1 | mean |" in out and out.count("<- best") == 1, out
+
+
+def test_a_killed_workers_trial_is_run_again(tiny_bert_dir, grid_env, tmp_path):
+  """A worker killed mid-run (with its run) stops beating; the next worker fails its trial,
+  queues it again and finishes the point in the same workdir."""
+  command = tiny_grid(tiny_bert_dir, tmp_path / "grid", "--seeds", "0", "--heartbeat", "1")
+  worker = subprocess.Popen(command, cwd=REPO_ROOT, env=grid_env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  workdir = tmp_path / "grid" / "rte_ce_s0"
+  deadline = time.time() + 300
+  while not (workdir / "config.json").exists():  # written as the run starts training
+    assert worker.poll() is None and time.time() < deadline, "the run never started"
+    time.sleep(0.2)
+  os.killpg(worker.pid, signal.SIGKILL)
+  worker.wait()
+  time.sleep(2.5)  # the grace period: two heartbeats
+  proc, out = run(command, grid_env)
+  assert proc.returncode == 0 and "ok in" in out, out
+  study = optuna.load_study(study_name="grid/rte/ce",
+                            storage=f"sqlite:///{tmp_path / 'grid' / 'study.db'}")
+  states = [(t.number, t.state) for t in study.trials]
+  assert states == [(0, optuna.trial.TrialState.FAIL), (1, optuna.trial.TrialState.COMPLETE)]
+  assert study.trials[1].system_attrs["failed_trial"] == 0
+  assert (workdir / "eval_results.json").exists()
+
+
+def test_early_exit_sweeps_a_multi_exit_run_before_recording_it(tiny_bert_dir, grid_env,
                                                                  tmp_path):
   records = tmp_path / "records"
-  command = [sys.executable, "experiments/run_grid.py", "--root", str(tmp_path / "grid"),
-             "--records", str(records), "--tasks", "rte", "--objectives", "ce", "--seeds", "0",
-             "--early_exit", "--early_exit_examples", "3",
-             "--preset", f"model={tiny_bert_dir},multi_exit,max_steps=2,batch_size=8,"
-             "max_length=32"]
-  env = {**os.environ, "GLUE_DIR": str(glue_dir), "ACL_JAX_CACHE": str(tmp_path / "cache"),
-         "HF_HUB_OFFLINE": "1"}
-  proc = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                        timeout=600)
-  assert proc.returncode == 0, proc.stdout + proc.stderr
-  assert "--mode=early_exit" in proc.stdout and "ok in" in proc.stdout, proc.stdout
+  command = tiny_grid(tiny_bert_dir, tmp_path / "grid", "--records", str(records), "--seeds", "0",
+                      "--early_exit", "--early_exit_examples", "3", preset=",multi_exit")
+  proc, out = run(command, grid_env)
+  assert proc.returncode == 0, out
+  assert "--mode=early_exit" in out and "ok in" in out, out
   record = records / "rte_ce_s0"
   assert {"early_exit.json", "early_exit.png", "eval_results.json"} <= {
       p.name for p in record.iterdir()}
-  # A trained run that lost its sweep gets the sweep only, from its checkpoints ...
+  study = optuna.load_study(study_name="grid/rte/ce",
+                            storage=f"sqlite:///{tmp_path / 'grid' / 'study.db'}")
+  (trial,) = study.trials
+  assert trial.user_attrs["swept"] and trial.user_attrs["metric"].startswith(
+      "validation/avg/accuracy")
+  # A trained run that lost its sweep gets the sweep only, from its checkpoints (a new study,
+  # since this one knows the point was swept) ...
   (record / "early_exit.json").unlink()
   (tmp_path / "grid" / "rte_ce_s0" / "early_exit.json").unlink()
-  again = subprocess.run(command + ["--dry_run"], cwd=REPO_ROOT, env=env, capture_output=True,
-                         text=True, timeout=600)
-  assert "1 runs to do" in again.stdout, again.stdout + again.stderr
-  assert "--mode=early_exit" in again.stdout and "--config=" not in again.stdout, again.stdout
+  proc, out = run(command + ["--study", "again", "--dry_run"], grid_env)
+  assert "1 runs to do" in out, out
+  assert "--mode=early_exit" in out and "--config=" not in out, out
   # ... and one trained elsewhere, whose checkpoints are gone, is reported, not retrained.
   fresh = [arg if arg != str(tmp_path / "grid") else str(tmp_path / "fresh") for arg in command]
-  elsewhere = subprocess.run(fresh + ["--dry_run"], cwd=REPO_ROOT, env=env,
-                             capture_output=True, text=True, timeout=600)
-  assert "0 runs to do" in elsewhere.stdout and "cannot sweep rte_ce_s0" in elsewhere.stdout, (
-      elsewhere.stdout + elsewhere.stderr)
+  proc, out = run(fresh + ["--dry_run"], grid_env)
+  assert "0 runs to do" in out and "cannot sweep rte_ce_s0" in out, out
+  assert not (tmp_path / "fresh").exists()  # a dry run writes nothing
