@@ -74,10 +74,10 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))  # acl_jax, when run as a script from anywhere
 
 from acl_jax import config as config_lib  # noqa: E402  (after the path it needs)
+from acl_jax.preemption import EXIT_CODE as PREEMPTED  # noqa: E402  (a run saved on a signal)
 
 RECORD_FILES = ("config.json", "eval_results.json", "metrics.jsonl", "log.txt",
                 "early_exit.json", "early_exit.png")
-PREEMPTED = 75  # acl_jax.main's exit code after saving on SIGTERM or Ctrl-C
 ACTIVE = (optuna.trial.TrialState.WAITING, optuna.trial.TrialState.RUNNING)
 # The trial number up to which a queued trial's point had no live trial (system attribute):
 # a trial numbered between it and the queued one holds or has done the same point.
