@@ -211,7 +211,13 @@ def test_there_are_records_under_the_old_field_names():
 def test_a_committed_record_reads_in_todays_field_names(path):
   raw = json.loads(path.read_text())["config"]
   config = run_dir.read_config(path.parent)
-  config_lib.validate(config)
+  if config.objective == "deebert" and config.pooler_weights == "shared":
+    # Recorded before DeeBERT's off-ramps got their own poolers: it loads (for sweeps and
+    # export) but no longer trains, and says why.
+    with pytest.raises(ValueError, match="pooler_weights=per_exit"):
+      config_lib.validate(config)
+  else:
+    config_lib.validate(config)
   assert set(config) == set(config_lib.defaults(data.get_task(config.task)))
   for old, new in run_dir.RENAMED_FIELDS.items():
     if old in raw:
