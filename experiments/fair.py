@@ -1,0 +1,344 @@
+"""The fair comparison (experiments/results/README.md, "The fair comparison: protocol"): what its
+selection runs chose, the run_grid commands it still needs, and its tables.
+
+    git worktree add --detach ../fair1 fair-1      # once: the code every run executes
+    python experiments/fair.py plan                # choices so far, then the commands to run
+    python experiments/fair.py run --checkout ../fair1 --parallel 2
+    python experiments/fair.py tables              # fair_single_exit.{md,jsonl}, fair_multi_exit.{md,jsonl}
+
+`run` executes the tag's own experiments/run_grid.py in that checkout (refusing a checkout at any
+other commit), so the runs execute the tag's code while this script, the records (under this
+checkout's experiments/results/records/) and the tables move on with main.
+
+Stages, per task (each starts once the choices it needs are in the records):
+  1. CE on seed 0 at each learning rate of LEARNING_RATES;
+  2. CE+SCL and ACL on seed 0 over the paper's λ x τ grid, at CE's chosen learning rate;
+  3. the report, seeds 1-3: CE, CE+SCL at its choice, ACL and ACL-Embed at ACL's;
+  4. multi-exit, mean-pooled exits, seeds 1-3, each run swept for early exit: CE, KD and DeeBERT
+     (its off-ramps with their own poolers) at CE's learning rate, ACL and ACL-CL at ACL's
+     λ and τ (per-exit gate); on ABLATION_TASK also ACL-CL with the global gate.
+A choice is the grid point with the best final-step dev main metric on seed 0, ties going to the
+point listed first; it is made only once every point of its grid has a record. The commands are
+run_grid's, so a point already in the records is never trained again.
+"""
+
+import argparse
+import collections
+import itertools
+import json
+import pathlib
+import statistics
+import subprocess
+import sys
+
+import numpy as np
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT / "experiments"))
+
+import summarize  # noqa: E402  (experiments/ on the path first)
+
+TAG = "fair-1"
+RECORDS = REPO_ROOT / "experiments" / "results" / "records"
+SINGLE_RECORDS, MULTI_RECORDS = RECORDS / "fair_1", RECORDS / "fair_1_multi_exit"
+RESULTS = REPO_ROOT / "experiments" / "results"
+TASKS = ("rte", "mrpc", "cola")
+SELECTION_SEED, REPORT_SEEDS = 0, (1, 2, 3)
+PRESET = "model=minilm"
+MULTI_EXIT_PRESET = "model=minilm,multi_exit,pooler_input=mean"
+ABLATION_TASK = "rte"
+# The grids, in the order that breaks ties.
+LEARNING_RATES = (5e-5, 1e-4, 2e-4)
+AUX_WEIGHTS = (0.1, 0.3, 0.5, 0.9)  # λ
+TEMPERATURES = (0.1, 0.3, 0.5, 0.7)  # τ
+SINGLE_EXIT = ("ce", "scl", "acl_embed", "acl")
+MULTI_EXIT = ("ce", "kd", "deebert", "acl", "acl_cl")
+SPEEDUPS = (1.5, 2.0)  # counted speed-ups at which the multi-exit runs are compared
+BOOTSTRAP_SAMPLES = 10_000
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("stage", choices=("plan", "run", "tables"))
+  parser.add_argument("--root", type=pathlib.Path, default=pathlib.Path("runs") / "fair_1",
+                      help="where the run directories and the studies go (single exit in "
+                      "<root>, multi-exit in <root>_multi_exit)")
+  parser.add_argument("--parallel", type=int, default=2, help="run_grid's --parallel")
+  parser.add_argument("--checkout", type=pathlib.Path, default=None,
+                      help=f"run: a checkout of {TAG} (git worktree add --detach ../fair1 {TAG})")
+  args = parser.parse_args(argv)
+  single, multi = read_records(SINGLE_RECORDS), read_records(MULTI_RECORDS)
+  if args.stage == "tables":
+    check_one_commit_and_machine(single + multi)
+    for name, text, rows in (("fair_single_exit", *single_exit_table(single)),
+                             ("fair_multi_exit", *multi_exit_table(multi, single))):
+      (RESULTS / f"{name}.md").write_text(text)
+      (RESULTS / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+      print(f"wrote {RESULTS / name}.md and .jsonl ({len(rows)} runs)")
+    return
+  print(describe_choices(single))
+  checkout = (args.checkout or REPO_ROOT).resolve()
+  commands = next_commands(single, args.root.resolve(), args.parallel)
+  if args.stage == "plan":
+    print(f"{len(commands)} run_grid commands (points already recorded are skipped):")
+    for command in commands:
+      print("  " + " ".join(command))
+    return
+  if args.checkout is None:
+    raise SystemExit(f"run needs --checkout: a checkout of {TAG}, whose code the runs execute")
+  check_pinned_commit(checkout)
+  check_one_commit_and_machine(single + multi)
+  for command in commands:
+    print("$ " + " ".join(command), flush=True)
+    returncode = subprocess.run([sys.executable, *command], cwd=checkout).returncode
+    if returncode:
+      raise SystemExit(f"run_grid exited {returncode}; rerun `fair.py run` to continue")
+
+
+def read_records(directory: pathlib.Path) -> list[dict]:
+  """Every finished run recorded under `directory` (summarize.load_run's rows)."""
+  if not directory.is_dir():
+    return []
+  return [run for path in sorted(directory.iterdir())
+          if (run := summarize.load_run(path)) is not None]
+
+
+def score(run: dict) -> float:
+  return run["metrics"][run["main_metric"]]
+
+
+def value_of(run: dict, field: str):
+  return run["lr"] if field == "learning_rate" else summarize.config_value(run, field)
+
+
+def choose(runs, task: str, objective: str, grid: dict[str, tuple]
+           ) -> tuple[dict | None, list[dict]]:
+  """(the chosen point, None until every point is recorded; the points still missing)."""
+  scores = {}
+  for run in runs:
+    if (run["task"], run["objective"], run["seed"]) == (task, objective, SELECTION_SEED):
+      point = tuple(value_of(run, field) for field in grid)
+      scores[point] = score(run)
+  points = list(itertools.product(*grid.values()))
+  missing = [dict(zip(grid, p)) for p in points if p not in scores]
+  if missing:
+    return None, missing
+  best = max(points, key=lambda p: (scores[p], -points.index(p)))  # ties: listed first
+  return dict(zip(grid, best)), []
+
+
+def choices(single: list[dict]) -> dict[str, dict[str, dict | None]]:
+  """Per task: the learning rate (from CE) and the λ, τ of CE+SCL and of ACL."""
+  out = {}
+  for task in TASKS:
+    ce, _ = choose(single, task, "ce", {"learning_rate": LEARNING_RATES})
+    chosen = {"ce": ce, "scl": None, "acl": None}
+    if ce is not None:
+      grid = {"learning_rate": (ce["learning_rate"],), "aux_weight": AUX_WEIGHTS,
+              "temperature": TEMPERATURES}
+      for objective in ("scl", "acl"):
+        chosen[objective] = choose(single, task, objective, grid)[0]
+    out[task] = chosen
+  return out
+
+
+def describe_choices(single: list[dict]) -> str:
+  lines = [f"Choices from seed {SELECTION_SEED} ({len(single)} single-exit records):"]
+  for task, chosen in choices(single).items():
+    cells = [f"{name}: " + (", ".join(f"{k}={v:g}" for k, v in point.items())
+                             if point else "not yet")
+             for name, point in chosen.items()]
+    lines.append(f"  {task}: " + "; ".join(cells))
+  return "\n".join(lines)
+
+
+def grid_command(root: pathlib.Path, records: pathlib.Path, task: str, objectives, seeds,
+                 grid: dict[str, tuple], parallel: int, preset: str = PRESET,
+                 early_exit: bool = False) -> list[str]:
+  command = ["experiments/run_grid.py", "--root", str(root), "--records",
+             str(records), "--tasks", task, "--objectives", ",".join(objectives), "--seeds",
+             ",".join(map(str, seeds)), "--preset", preset, "--parallel", str(parallel)]
+  for field, values in grid.items():
+    command += ["--grid", f"{field}=" + ",".join(map(str, values))]
+  return command + (["--early_exit"] if early_exit else [])
+
+
+def next_commands(single: list[dict], root: pathlib.Path, parallel: int) -> list[list[str]]:
+  """The run_grid commands whose inputs are chosen: selection (root), report and multi-exit
+  (<root>_report, <root>_multi_exit: their own studies, since their grids differ)."""
+  select, report = root, root.with_name(root.name + "_report")
+  multi = root.with_name(root.name + "_multi_exit")
+  stage1, later = [], []
+  for task, chosen in choices(single).items():
+    cmd = lambda *a, **k: grid_command(*a, parallel=parallel, **k)
+    stage1.append(cmd(select, SINGLE_RECORDS, task, ["ce"], [SELECTION_SEED],
+                      {"learning_rate": LEARNING_RATES}))
+    if chosen["ce"] is None:
+      continue
+    lr = {"learning_rate": (chosen["ce"]["learning_rate"],)}
+    later.append(cmd(select, SINGLE_RECORDS, task, ["scl", "acl"], [SELECTION_SEED],
+                     {**lr, "aux_weight": AUX_WEIGHTS, "temperature": TEMPERATURES}))
+    me = dict(preset=MULTI_EXIT_PRESET, early_exit=True)
+    later.append(cmd(multi, MULTI_RECORDS, task, ["ce", "kd"], REPORT_SEEDS, lr, **me))
+    later.append(cmd(multi, MULTI_RECORDS, task, ["deebert"], REPORT_SEEDS, lr,
+                     preset=MULTI_EXIT_PRESET + ",pooler_weights=per_exit", early_exit=True))
+    if chosen["scl"] is None or chosen["acl"] is None:
+      continue
+    single_values = lambda point: {k: (v,) for k, v in point.items()}
+    later.append(cmd(report, SINGLE_RECORDS, task, ["ce"], REPORT_SEEDS, lr))
+    later.append(cmd(report, SINGLE_RECORDS, task, ["scl"], REPORT_SEEDS,
+                     single_values(chosen["scl"])))
+    acl = single_values(chosen["acl"])
+    later.append(cmd(report, SINGLE_RECORDS, task, ["acl", "acl_embed"], REPORT_SEEDS, acl))
+    later.append(cmd(multi, MULTI_RECORDS, task, ["acl", "acl_cl"], REPORT_SEEDS, acl, **me))
+    if task == ABLATION_TASK:
+      later.append(cmd(multi, MULTI_RECORDS, task, ["acl_cl"], REPORT_SEEDS,
+                       {**acl, "gate_granularity": ("global",)}, **me))
+  return stage1 + later
+
+
+def check_pinned_commit(checkout: pathlib.Path) -> None:
+  """The runs must execute the tag's code: refuse a checkout at any other commit, or with
+  changes to it."""
+  git = lambda *a: subprocess.run(["git", "-C", str(checkout), *a], capture_output=True,
+                                  text=True).stdout.strip()
+  head, tagged = git("rev-parse", "HEAD"), git("rev-parse", f"{TAG}^{{commit}}")
+  if not tagged or head != tagged:
+    raise SystemExit(f"the fair comparison's runs execute {TAG} ({tagged[:12] or 'missing'}); "
+                     f"{checkout} is at {head[:12] or 'no commit'}: git worktree add --detach "
+                     f"../fair1 {TAG}, and pass --checkout ../fair1")
+  if git("status", "--porcelain", "--untracked-files=no"):
+    raise SystemExit(f"{checkout} has changes to {TAG}'s files; the runs must execute the tag")
+
+
+def check_one_commit_and_machine(runs: list[dict]) -> None:
+  """Every record of the comparison from one commit on one machine type."""
+  for key in ("commit", "machine"):
+    values = collections.Counter(str(run[key]) for run in runs)
+    if len(values) > 1:
+      raise SystemExit(f"the fair records mix {key}s: {dict(values)}; a comparison keeps one")
+
+
+def welch_p(a, b) -> float:
+  """Welch's two-sided t-test p-value (nan when either group has fewer than 2 runs or both
+  have no spread)."""
+  from scipy import stats
+  if len(a) < 2 or len(b) < 2 or (np.var(a) == 0 and np.var(b) == 0):
+    return float("nan")
+  return float(stats.ttest_ind(a, b, equal_var=False).pvalue)
+
+
+def bootstrap_interval(a, b, *, seed: int = 0) -> tuple[float, float]:
+  """95% percentile interval of mean(a) - mean(b), resampling each group's runs with
+  replacement (BOOTSTRAP_SAMPLES times)."""
+  rng = np.random.default_rng(seed)
+  a, b = np.asarray(a, float), np.asarray(b, float)
+  means = lambda x: x[rng.integers(0, len(x), (BOOTSTRAP_SAMPLES, len(x)))].mean(axis=1)
+  low, high = np.percentile(means(a) - means(b), [2.5, 97.5])
+  return float(low), float(high)
+
+
+def hyper_parameters(run: dict) -> dict:
+  return {field: value_of(run, field)
+          for field in ("learning_rate", "aux_weight", "temperature", "cl_weight")
+          if field == "learning_rate" or run["objective"] in summarize.TUNED[field][2]}
+
+
+def record_row(run: dict) -> dict:
+  return {"task": run["task"], "objective": run["objective"], "seed": run["seed"],
+          "multi_exit": run["multi_exit"], "hyper_parameters": hyper_parameters(run),
+          "gate_granularity": run["gate_granularity"] if run["multi_exit"] else None,
+          "commit": run["commit"], "machine": run["machine"], "record": run["workdir"],
+          "main_metric": run["main_metric"], "metrics": run["metrics"]}
+
+
+def reported(runs: list[dict], task: str, objective: str, point: dict | None,
+             gate: str | None = None) -> list[dict]:
+  """The report runs (seeds 1-3) of `objective` at `point`."""
+  if point is None:
+    return []
+  return sorted((r for r in runs if r["task"] == task and r["objective"] == objective
+                 and r["seed"] in REPORT_SEEDS
+                 and all(value_of(r, k) == v for k, v in point.items())
+                 and (gate is None or r["gate_granularity"] == gate)),
+                key=lambda r: r["seed"])
+
+
+def comparison_cells(values, baseline) -> str:
+  """mean ± std | difference to the baseline | Welch p | bootstrap 95% interval."""
+  if not values:
+    return "missing | | |"
+  mean, std = summarize.mean_std(values)
+  cells = f"{mean:.4f} ± {std:.4f}"
+  if baseline is None or len(values) < 2 or len(baseline) < 2:
+    return cells + " | | |"
+  low, high = bootstrap_interval(values, baseline)
+  return (f"{cells} | {mean - statistics.fmean(baseline):+.4f} | {welch_p(values, baseline):.3f}"
+          f" | [{low:+.4f}, {high:+.4f}]")
+
+
+def single_exit_table(single: list[dict]) -> tuple[str, list[dict]]:
+  chosen_by_task = choices(single)
+  lines = ["| task | objective | lr, λ, τ (chosen on seed 0) | seeds | dev metric (mean ± std) "
+           "| Δ vs CE | Welch p | 95% bootstrap Δ |", "|---|---|---|---|---|---|---|---|"]
+  rows = []
+  for task, chosen in chosen_by_task.items():
+    points = {"ce": chosen["ce"], "scl": chosen["scl"], "acl_embed": chosen["acl"],
+              "acl": chosen["acl"]}
+    ce_values = [score(r) for r in reported(single, task, "ce", points["ce"])]
+    for objective in SINGLE_EXIT:
+      runs = reported(single, task, objective, points[objective])
+      rows += [record_row(r) for r in runs]
+      values = [score(r) for r in runs]
+      point = points[objective]
+      label = ", ".join(f"{v:g}" for v in point.values()) if point else "not chosen yet"
+      lines.append(f"| {task} | {objective} | {label} | {summarize.seeds_of(runs) or '-'} | "
+                   + comparison_cells(values, ce_values if objective != "ce" else None) + " |")
+  return "\n".join(lines) + "\n", rows
+
+
+def best_at_speedup(early_exit: dict, metric: str, ratio: float) -> float | None:
+  """The best dev metric over every policy and threshold whose counted speed-up ratio is at
+  least `ratio` (None: no such operating point)."""
+  values = [point["metrics"][metric] for points in early_exit["policies"].values()
+            for point in points if point["speedup_ratio"] >= ratio]
+  return max(values) if values else None
+
+
+def multi_exit_table(multi: list[dict], single: list[dict]) -> tuple[str, list[dict]]:
+  """Per task and objective: the best dev metric at each counted speed-up of SPEEDUPS (over
+  every policy and threshold of each run's sweep) and the exits' average, mean ± std."""
+  lines = ["| task | objective | seeds | " + " | ".join(f"best at ≥ {r:g}x" for r in SPEEDUPS)
+           + " | exits' average |", "|---|---|---|" + "---|" * (len(SPEEDUPS) + 1)]
+  rows = []
+  for task, chosen in choices(single).items():
+    variants = [(o, chosen["acl"] if o in ("acl", "acl_cl") else chosen["ce"],
+                 "per_exit" if o in ("acl", "acl_cl") else None) for o in MULTI_EXIT]
+    if task == ABLATION_TASK:
+      variants.append(("acl_cl", chosen["acl"], "global"))
+    for objective, point, gate in variants:
+      runs = reported(multi, task, objective, point, gate)
+      rows += [record_row(r) for r in runs]
+      name = objective + (" (global gate)" if gate == "global" else "")
+      if not runs:
+        lines.append(f"| {task} | {name} | - |" + " |" * len(SPEEDUPS) + " missing |")
+        continue
+      metric = runs[0]["main_metric"].split("/")[-1]
+      cells = []
+      for ratio in SPEEDUPS:
+        best = [b for r in runs
+                if (b := best_at_speedup(read_early_exit(r), metric, ratio)) is not None]
+        cells.append("{:.4f} ± {:.4f}".format(*summarize.mean_std(best)) if best else "-")
+      cells.append("{:.4f} ± {:.4f}".format(*summarize.mean_std(score(r) for r in runs)))
+      lines.append(f"| {task} | {name} | {summarize.seeds_of(runs)} | " + " | ".join(cells)
+                   + " |")
+  return "\n".join(lines) + "\n", rows
+
+
+def read_early_exit(run: dict) -> dict:
+  path = pathlib.Path(run["workdir"]) / "early_exit.json"
+  return json.loads(path.read_text()) if path.exists() else {"policies": {}}
+
+
+if __name__ == "__main__":
+  main()
