@@ -49,12 +49,22 @@ def _reading(*aux_losses):
 
 TUNED = {"aux_weight": (0.5, "λ", _reading("scl", "kd", "acl_embed", "acl_cl")),
          "temperature": (0.3, "τ", _reading("scl", "acl_embed", "acl_cl")),
-         "cl_weight": (0.5, "μ", _reading("acl_cl"))}
+         "cl_weight": (0.5, "μ", _reading("acl_cl")),
+         # The method's switches (docs/method.md).
+         "anchors": ("all", "anchors", _reading("acl_embed", "acl_cl")),
+         "cl_anchors": ("all", "ACL-CL anchors", _reading("acl_cl")),
+         "normalize_label_embeddings": (True, "normalized label embeddings",
+                                        _reading("acl_embed", "acl_cl"))}
+
+
+def _shown(value) -> str:
+  return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def tuned_label(run: dict) -> str:
-  """", λ 0.9, μ 0.1": the loss weights of `run` that differ from their defaults."""
-  return "".join(f", {label} {config_value(run, key, default):g}"
+  """", λ 0.9, μ 0.1": the loss weights and switches of `run` that differ from their
+  defaults."""
+  return "".join(f", {label} {_shown(config_value(run, key, default))}"
                  for key, (default, label, objectives) in TUNED.items()
                  if run["objective"] in objectives and config_value(run, key, default) != default)
 

@@ -57,7 +57,9 @@ def test_a_loss_weight_off_its_default_is_its_own_labelled_group(tmp_path):
   runs = [_run_dir(tmp_path, "rte", 0, 0.5, name="a", objective="acl_cl", cl_weight=0.5),
           _run_dir(tmp_path, "rte", 1, 0.6, name="b", objective="acl_cl"),  # no field: 0.5
           _run_dir(tmp_path, "rte", 0, 0.7, name="c", objective="acl_cl", cl_weight=0.1),
-          _run_dir(tmp_path, "rte", 0, 0.8, name="d", objective="ce", cl_weight=0.1)]
+          _run_dir(tmp_path, "rte", 0, 0.8, name="d", objective="ce", cl_weight=0.1),
+          _run_dir(tmp_path, "rte", 0, 0.6, name="e", objective="acl_cl",
+                   normalize_label_embeddings=False, cl_anchors="samples")]
   out = tmp_path / "table"
   subprocess.run([sys.executable, "experiments/summarize.py", *map(str, runs), "--out", str(out)],
                  cwd=REPO_ROOT, check=True, capture_output=True)
@@ -66,6 +68,8 @@ def test_a_loss_weight_off_its_default_is_its_own_labelled_group(tmp_path):
   assert f"| acl_cl | 0.0001 | 3 | 0,1 | validation/accuracy {mean:.4f} ± {std:.4f}" in table
   assert "| acl_cl, μ 0.1 | 0.0001 | 3 | 0 | validation/accuracy 0.7000" in table
   assert "| ce | 0.0001 | 3 | 0 | validation/accuracy 0.8000" in table  # mu does not act on CE
+  assert ("| acl_cl, ACL-CL anchors samples, normalized label embeddings False | 0.0001 | 3 | 0 "
+          "| validation/accuracy 0.6000") in table
 
 
 def _summarize(*args):
