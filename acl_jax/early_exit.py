@@ -557,33 +557,75 @@ def _measure_batched(run, encoded, grid, batch_size: int, log, max_examples: int
   return out
 
 
+def pareto_front(points: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+  """The (speed-up, metric) points that no other point beats on both, by rising speed-up: the
+  best metric reachable at each speed-up."""
+  front, best = [], -math.inf
+  for x, y in sorted(points, key=lambda p: (-p[0], -p[1])):
+    if y > best:
+      front.append((x, y))
+      best = y
+  return front[::-1]
+
+
+def tradeoff_curves(results: Sequence[dict[str, Any]], labels: Sequence[str] | None = None
+                    ) -> dict[str, dict[str, dict[str, list[tuple[float, float]]]]]:
+  """{policy: {label: {"counted": front, "measured": points}}}: what `plot` draws.
+
+  Runs with one label (default: the objective) are seeds of one configuration: each threshold's
+  counted speed-up, metric and measured speed-up are averaged over them (their sweeps share
+  thresholds), and the counted front is drawn from those means; "measured" holds the measured
+  batch-1 speed-up at each threshold on the front (where the sweep timed it).
+  """
+  groups: dict[str, list[dict[str, Any]]] = {}
+  for index, result in enumerate(results):
+    groups.setdefault(labels[index] if labels else result["objective"], []).append(result)
+  curves: dict[str, dict[str, dict[str, list[tuple[float, float]]]]] = {}
+  for label, group in groups.items():
+    metric = group[0]["main_metric"]
+    for name in group[0]["policies"]:
+      by_threshold: dict[float, list[dict[str, Any]]] = {}
+      for result in group:
+        for row in result["policies"].get(name, []):
+          by_threshold.setdefault(row["threshold"], []).append(row)
+      mean = lambda rows, key: float(np.mean([r[key] for r in rows]))
+      points = {(mean(rows, "speedup_ratio"), float(np.mean([r["metrics"][metric]
+                                                             for r in rows]))): rows
+                for rows in by_threshold.values() if len(rows) == len(group)}
+      front = pareto_front(points)
+      measured = [(mean(points[p], "measured_speedup_ratio"), p[1]) for p in front
+                  if all("measured_speedup_ratio" in r for r in points[p])]
+      curves.setdefault(name, {})[label] = {"counted": front, "measured": measured}
+  return curves
+
+
 def plot(results: Sequence[dict[str, Any]], path, *, labels: Sequence[str] | None = None,
          title: str | None = None) -> None:
-  """Quality-speed curves: the dev metric against the speed-up ratio L / mean layers,
-  counted (lines) and measured at batch size 1 (hollow markers), one colour per run."""
+  """Quality-speed trade-off, one panel per policy: each label's Pareto front of the dev metric
+  against the counted speed-up L / mean layers (line; seeds averaged per threshold), and the
+  measured batch-1 speed-up of the same thresholds (hollow circles)."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  styles = {"entropy": "-", "patience": "--", "pcee": ":"}
-  fig, ax = plt.subplots(figsize=(7, 4.5))
-  for index, result in enumerate(results):
-    colour = f"C{index}"
-    label = labels[index] if labels else f"{result['objective']}"
-    metric = result["main_metric"]
-    for name, rows in result["policies"].items():
-      xs = [r["speedup_ratio"] for r in rows]
-      ys = [r["metrics"][metric] for r in rows]
-      ax.plot(xs, ys, styles.get(name, "-"), color=colour, marker="o", markersize=3,
-              label=f"{label} {name}")
-      measured = [(r["measured_speedup_ratio"], r["metrics"][metric]) for r in rows
-                  if "measured_speedup_ratio" in r]
-      if measured:
-        ax.scatter(*zip(*measured), facecolors="none", edgecolors=colour, s=30)
-  ax.set_xlabel("speed-up ratio L / mean layers (lines: counted; circles: measured, batch 1)")
-  ax.set_ylabel(f"dev {results[0]['main_metric']}")
-  ax.set_title(title or f"{results[0]['task']}: quality-speed trade-off")
-  ax.grid(alpha=0.3)
-  ax.legend(fontsize=7, ncol=2)
+  curves = tradeoff_curves(results, labels)
+  fig, axes = plt.subplots(1, len(curves), figsize=(4.2 * len(curves), 4), sharey=True,
+                           squeeze=False)
+  colours = {}
+  for ax, (name, by_label) in zip(axes[0], curves.items()):
+    for label, curve in by_label.items():
+      colour = colours.setdefault(label, f"C{len(colours)}")
+      # A step: between two front points the better one reachable is the faster one's.
+      ax.plot(*zip(*curve["counted"]), "-", color=colour, marker="o", markersize=3, label=label,
+              drawstyle="steps-pre")
+      if curve["measured"]:
+        ax.scatter(*zip(*curve["measured"]), facecolors="none", edgecolors=colour, s=30)
+    ax.set_title(name)
+    ax.set_xlabel("speed-up L / mean layers")
+    ax.grid(alpha=0.3)
+  axes[0][0].set_ylabel(f"dev {results[0]['main_metric']} (best at each speed-up)")
+  axes[0][-1].legend(fontsize=7)
+  fig.suptitle(title or f"{results[0]['task']}: quality-speed trade-off (lines: counted; "
+               "circles: measured, batch 1)", fontsize=9)
   fig.tight_layout()
   png = io.BytesIO()  # then written through epath: `path` may be in an object store
   fig.savefig(png, format="png", dpi=120)

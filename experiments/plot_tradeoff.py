@@ -5,8 +5,11 @@
         --table experiments/results/early_exit/rte_speedups.md
 
 Each argument is a run directory holding early_exit.json (python -m acl_jax.main
---mode=early_exit --workdir=<run>) or such a file itself. Lines: counted speed-up; hollow
-circles: measured at batch size 1. Labels default to each run's objective.
+--mode=early_exit --workdir=<run>) or such a file itself. One panel per policy; in each, every
+label's Pareto front (the best dev metric at each counted speed-up) as a step line, and hollow
+circles at the measured batch-1 speed-up of the same thresholds. Labels default to each run's
+objective; runs sharing a label are seeds of one configuration, averaged threshold by threshold
+(early_exit.tradeoff_curves).
 """
 
 import argparse
@@ -20,7 +23,8 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("runs", nargs="+", type=pathlib.Path)
   parser.add_argument("--out", type=pathlib.Path, required=True)
-  parser.add_argument("--labels", default=None, help="comma-separated, one per run")
+  parser.add_argument("--labels", default=None, help="comma-separated, one per run; runs "
+                      "sharing a label are averaged threshold by threshold")
   parser.add_argument("--policies", default=None,
                       help="comma-separated subset of the policies to draw (default: all)")
   parser.add_argument("--title", default=None)

@@ -275,3 +275,26 @@ def test_early_exit_mode_needs_a_trained_multi_exit_run(tiny_bert_dir, glue_dir,
   train.train_and_evaluate(config, tmp_path / "single")
   with pytest.raises(ValueError, match="single-exit run; early exit needs a multi-exit one"):
     early_exit.run_on_workdir(tmp_path / "single")
+
+
+def test_the_pareto_front_keeps_the_best_metric_at_each_speedup():
+  points = [(1.0, 0.70), (1.5, 0.72), (1.6, 0.65), (2.0, 0.66), (2.5, 0.50), (1.2, 0.69)]
+  assert early_exit.pareto_front(points) == [(1.5, 0.72), (2.0, 0.66), (2.5, 0.50)]
+  assert early_exit.pareto_front([]) == []
+
+
+def test_tradeoff_curves_average_the_seeds_of_a_label_per_threshold():
+  """Two seeds of one objective are averaged threshold by threshold (not pooled, which would
+  draw the luckier seed's points); another label gets its own curve; one panel per policy."""
+  def sweep(objective, rows):
+    return {"objective": objective, "main_metric": "accuracy", "policies": {"entropy": [
+        {"threshold": t, "speedup_ratio": s, "metrics": {"accuracy": m},
+         "measured_speedup_ratio": s * 0.9} for t, s, m in rows]}}
+  seeds = [sweep("acl_cl", [(0.1, 1.0, 0.70), (0.5, 2.0, 0.60), (0.9, 3.0, 0.40)]),
+           sweep("acl_cl", [(0.1, 1.2, 0.72), (0.5, 2.2, 0.70), (0.9, 2.8, 0.30)])]
+  curves = early_exit.tradeoff_curves([*seeds, sweep("ce", [(0.1, 1.0, 0.5)])])
+  assert set(curves) == {"entropy"} and set(curves["entropy"]) == {"acl_cl", "ce"}
+  front = curves["entropy"]["acl_cl"]["counted"]
+  np.testing.assert_allclose(front, [(1.1, 0.71), (2.1, 0.65), (2.9, 0.35)])
+  np.testing.assert_allclose(curves["entropy"]["acl_cl"]["measured"],
+                             [(0.99, 0.71), (1.89, 0.65), (2.61, 0.35)])
