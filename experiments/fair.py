@@ -1,7 +1,7 @@
 """The fair comparison (experiments/results/README.md, "The fair comparison: protocol"): what its
 selection runs chose, the run_grid commands it still needs, and its tables.
 
-    git worktree add --detach ../fair1 fair-1      # once: the code every run executes
+    git worktree add --detach ../fair1 5eb4784     # once: the code every run executes (fair-1)
     python experiments/fair.py plan                # choices so far, then the commands to run
     python experiments/fair.py run --checkout ../fair1 --parallel 2
     python experiments/fair.py tables              # fair_single_exit.{md,jsonl}, fair_multi_exit.{md,jsonl}
@@ -38,7 +38,10 @@ sys.path.insert(0, str(REPO_ROOT / "experiments"))
 
 import summarize  # noqa: E402  (experiments/ on the path first)
 
+# The commit every run of the comparison executes (tagged fair-1 where tags travel; the hash is
+# what counts, since a clone may not carry tags).
 TAG = "fair-1"
+PINNED_COMMIT = "5eb4784f7ffe500d60c3ffae6116b8c6cd24b1e7"
 RECORDS = REPO_ROOT / "experiments" / "results" / "records"
 SINGLE_RECORDS, MULTI_RECORDS = RECORDS / "fair_1", RECORDS / "fair_1_multi_exit"
 RESULTS = REPO_ROOT / "experiments" / "results"
@@ -65,7 +68,8 @@ def main(argv=None):
                       "<root>, multi-exit in <root>_multi_exit)")
   parser.add_argument("--parallel", type=int, default=2, help="run_grid's --parallel")
   parser.add_argument("--checkout", type=pathlib.Path, default=None,
-                      help=f"run: a checkout of {TAG} (git worktree add --detach ../fair1 {TAG})")
+                      help=f"run: a checkout of {TAG} (git worktree add --detach ../fair1 "
+                      f"{PINNED_COMMIT[:7]})")
   args = parser.parse_args(argv)
   single, multi = read_records(SINGLE_RECORDS), read_records(MULTI_RECORDS)
   if args.stage == "tables":
@@ -85,7 +89,8 @@ def main(argv=None):
       print("  " + " ".join(command))
     return
   if args.checkout is None:
-    raise SystemExit(f"run needs --checkout: a checkout of {TAG}, whose code the runs execute")
+    raise SystemExit(f"run needs --checkout: a checkout of {TAG} ({PINNED_COMMIT[:7]}), whose "
+                     "code the runs execute")
   check_pinned_commit(checkout)
   check_one_commit_and_machine(single + multi)
   for command in commands:
@@ -197,18 +202,19 @@ def next_commands(single: list[dict], root: pathlib.Path, parallel: int) -> list
   return stage1 + later
 
 
-def check_pinned_commit(checkout: pathlib.Path) -> None:
-  """The runs must execute the tag's code: refuse a checkout at any other commit, or with
-  changes to it."""
+def check_pinned_commit(checkout: pathlib.Path, pinned: str = PINNED_COMMIT) -> None:
+  """The runs must execute the pinned code: refuse a checkout at any other commit, or with
+  changes to its files."""
   git = lambda *a: subprocess.run(["git", "-C", str(checkout), *a], capture_output=True,
                                   text=True).stdout.strip()
-  head, tagged = git("rev-parse", "HEAD"), git("rev-parse", f"{TAG}^{{commit}}")
-  if not tagged or head != tagged:
-    raise SystemExit(f"the fair comparison's runs execute {TAG} ({tagged[:12] or 'missing'}); "
-                     f"{checkout} is at {head[:12] or 'no commit'}: git worktree add --detach "
-                     f"../fair1 {TAG}, and pass --checkout ../fair1")
+  head = git("rev-parse", "HEAD")
+  if head != pinned:
+    raise SystemExit(f"the fair comparison's runs execute {TAG} ({pinned[:12]}); {checkout} "
+                     f"is at {head[:12] or 'no commit'}: git worktree add --detach ../fair1 "
+                     f"{pinned[:12]}, and pass --checkout ../fair1")
   if git("status", "--porcelain", "--untracked-files=no"):
-    raise SystemExit(f"{checkout} has changes to {TAG}'s files; the runs must execute the tag")
+    raise SystemExit(f"{checkout} has changes to {TAG}'s files; the runs must execute it as "
+                     "committed")
 
 
 def check_one_commit_and_machine(runs: list[dict]) -> None:

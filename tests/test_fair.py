@@ -150,11 +150,11 @@ def test_runs_execute_only_the_tagged_commit(tmp_path):
   (tmp_path / "f").write_text("a")
   git("add", "f")
   git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "a")
-  git("tag", fair.TAG)
-  fair.check_pinned_commit(tmp_path)
+  pinned = git("rev-parse", "HEAD").stdout.strip()
+  fair.check_pinned_commit(tmp_path, pinned)
   (tmp_path / "f").write_text("b")
   with pytest.raises(SystemExit, match="has changes"):
-    fair.check_pinned_commit(tmp_path)
+    fair.check_pinned_commit(tmp_path, pinned)
   git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "b")
   with pytest.raises(SystemExit, match=f"execute {fair.TAG}"):
-    fair.check_pinned_commit(tmp_path)
+    fair.check_pinned_commit(tmp_path, pinned)
