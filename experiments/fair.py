@@ -16,7 +16,10 @@ Stages, per task (each starts once the choices it needs are in the records):
   3. the report, seeds 1-3: CE, CE+SCL at its choice, ACL and ACL-Embed at ACL's;
   4. multi-exit, mean-pooled exits, seeds 1-3, each run swept for early exit: CE, KD and DeeBERT
      (its off-ramps with their own poolers) at CE's learning rate, ACL and ACL-CL at ACL's
-     λ and τ (per-exit gate); on ABLATION_TASK also ACL-CL with the global gate.
+     λ and τ (per-exit gate); on ABLATION_TASK also ACL-CL with the global gate;
+  5. the pilot, seed 0: CE+SCL at its choice and ACL-Embed at ACL's, with every batch's
+     CE/aux gradient cosine logged (measure_conflict, log_every=1), drawn by
+     `pilot_gradient_angle.py --runs <its records>`.
 A choice is the grid point with the best final-step dev main metric on seed 0, ties going to the
 point listed first; it is made only once every point of its grid has a record. The commands are
 run_grid's, so a point already in the records is never trained again.
@@ -44,11 +47,13 @@ TAG = "fair-1"
 PINNED_COMMIT = "5eb4784f7ffe500d60c3ffae6116b8c6cd24b1e7"
 RECORDS = REPO_ROOT / "experiments" / "results" / "records"
 SINGLE_RECORDS, MULTI_RECORDS = RECORDS / "fair_1", RECORDS / "fair_1_multi_exit"
+PILOT_RECORDS = RECORDS / "fair_1_pilot"
 RESULTS = REPO_ROOT / "experiments" / "results"
 TASKS = ("rte", "mrpc", "cola")
 SELECTION_SEED, REPORT_SEEDS = 0, (1, 2, 3)
 PRESET = "model=minilm"
 MULTI_EXIT_PRESET = "model=minilm,multi_exit,pooler_input=mean"
+PILOT_PRESET = "model=minilm,measure_conflict,log_every=1"
 ABLATION_TASK = "rte"
 # The grids, in the order that breaks ties.
 LEARNING_RATES = (5e-5, 1e-4, 2e-4)
@@ -169,10 +174,11 @@ def grid_command(root: pathlib.Path, records: pathlib.Path, task: str, objective
 
 
 def next_commands(single: list[dict], root: pathlib.Path, parallel: int) -> list[list[str]]:
-  """The run_grid commands whose inputs are chosen: selection (root), report and multi-exit
-  (<root>_report, <root>_multi_exit: their own studies, since their grids differ)."""
+  """The run_grid commands whose inputs are chosen: selection (root), report, multi-exit and
+  pilot (<root>_report, <root>_multi_exit, <root>_pilot: their own studies, since their grids
+  differ)."""
   select, report = root, root.with_name(root.name + "_report")
-  multi = root.with_name(root.name + "_multi_exit")
+  multi, pilot = (root.with_name(root.name + suffix) for suffix in ("_multi_exit", "_pilot"))
   stage1, later = [], []
   for task, chosen in choices(single).items():
     cmd = lambda *a, **k: grid_command(*a, parallel=parallel, **k)
@@ -196,6 +202,10 @@ def next_commands(single: list[dict], root: pathlib.Path, parallel: int) -> list
     acl = single_values(chosen["acl"])
     later.append(cmd(report, SINGLE_RECORDS, task, ["acl", "acl_embed"], REPORT_SEEDS, acl))
     later.append(cmd(multi, MULTI_RECORDS, task, ["acl", "acl_cl"], REPORT_SEEDS, acl, **me))
+    later.append(cmd(pilot, PILOT_RECORDS, task, ["scl"], [SELECTION_SEED],
+                     single_values(chosen["scl"]), preset=PILOT_PRESET))
+    later.append(cmd(pilot, PILOT_RECORDS, task, ["acl_embed"], [SELECTION_SEED], acl,
+                     preset=PILOT_PRESET))
     if task == ABLATION_TASK:
       later.append(cmd(multi, MULTI_RECORDS, task, ["acl_cl"], REPORT_SEEDS,
                        {**acl, "gate_granularity": ("global",)}, **me))

@@ -9,7 +9,9 @@ without gating the update), then draws the per-batch angle histogram.
     python experiments/pilot_gradient_angle.py --model=minilm --workdir=runs/pilot \
         --out=experiments/results/pilot_gradient_angle
 
-Finished runs are reused: rerunning only redraws.
+Finished runs are reused: rerunning only redraws. `--runs DIR ...` draws finished runs (or
+their records) trained with measure_conflict and log_every=1 elsewhere, e.g. the fair
+comparison's pilot runs (experiments/fair.py), instead of training.
 """
 
 import argparse
@@ -21,6 +23,7 @@ import numpy as np
 
 from acl_jax import config as config_lib
 from acl_jax import train
+from acl_jax.objectives import OBJECTIVES
 
 PAPER_CLAIM = "angles about 75-105 degrees; above 90 degrees in roughly 20% of mini-batches"
 
@@ -88,7 +91,7 @@ def plot(results: dict, path: pathlib.Path, title: str) -> None:
   plt.close(fig)
 
 
-def main():
+def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--task", default="rte")
   parser.add_argument("--model", default="minilm")
@@ -96,19 +99,31 @@ def main():
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--max_steps", type=int, default=0)
   parser.add_argument("--workdir", type=pathlib.Path, default=pathlib.Path("runs/pilot"))
+  parser.add_argument("--runs", type=pathlib.Path, nargs="*", default=None,
+                      help="finished run directories to draw (one per objective) instead of "
+                      "training; --task, --model, --objectives, --seed are then read from them")
   parser.add_argument("--out", type=pathlib.Path,
                       default=pathlib.Path(__file__).parent / "results/pilot_gradient_angle")
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
 
   results, summary = {}, {"paper_claim": PAPER_CLAIM, "command": " ".join(sys.argv)}
-  for objective in args.objectives.split(","):
-    workdir = run(objective, args)
+  workdirs = args.runs or [run(objective, args) for objective in args.objectives.split(",")]
+  for workdir in workdirs:
+    saved = json.loads((workdir / "config.json").read_text())
+    objective = saved["config"]["objective"]
+    gated = OBJECTIVES[objective].gate_mode != "none"
+    if saved["config"].get("log_every") != 1 or not (
+        gated or saved["config"].get("measure_conflict")):
+      raise SystemExit(f"{workdir}: its metrics.jsonl has no per-batch gradient cosines (train "
+                       "with log_every=1, and measure_conflict unless the objective is gated)")
+    args.task, args.seed = saved["config"]["task"], saved["config"]["seed"]
+    args.model = pathlib.Path(saved["config"]["model"]).name
     angles = angles_of(workdir)
     stats = summarize(angles)
-    saved = json.loads((workdir / "config.json").read_text())
     stats.update(workdir=str(workdir), commit=saved["meta"]["git_commit"],
                  machine=saved["meta"]["machine"], lr=saved["config"]["learning_rate"],
                  temperature=saved["config"]["temperature"],
+                 aux_weight=saved["config"].get("aux_weight", saved["config"].get("lambda")),
                  dev=json.loads((workdir / "eval_results.json").read_text())["final"])
     results[objective] = (angles, stats)
     summary[objective] = stats

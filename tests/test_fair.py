@@ -87,6 +87,9 @@ def test_each_stage_is_planned_once_the_choices_it_needs_are_made(tmp_path):
   assert "pooler_weights=per_exit" in deebert and "--early_exit" in deebert
   ablation = next(c for c in rte if "gate_granularity=global" in c)
   assert "--objectives acl_cl" in ablation and "fair_1_multi_exit" in ablation
+  pilot = [c for c in rte if "measure_conflict,log_every=1" in c]
+  assert len(pilot) == 2 and all("fair_1_pilot" in c and "--seeds 0 " in c for c in pilot)
+  assert "--objectives scl" in pilot[0] and "--grid aux_weight=0.3 --grid temperature=0.1" in pilot[0]
 
 
 def test_the_single_exit_table_compares_each_objective_with_ce(tmp_path):
