@@ -3,7 +3,7 @@ selection runs chose, the run_grid commands it still needs, and its tables.
 
     git worktree add --detach ../fair1 5eb4784     # once: the code every run executes (fair-1)
     python experiments/fair.py plan                # choices so far, then the commands to run
-    python experiments/fair.py run --checkout ../fair1 --parallel 2
+    python experiments/fair.py run --checkout ../fair1
     python experiments/fair.py tables              # fair_single_exit.{md,jsonl}, fair_multi_exit.{md,jsonl}
 
 `run` executes the tag's own experiments/run_grid.py in that checkout (refusing a checkout at any
@@ -61,6 +61,10 @@ AUX_WEIGHTS = (0.1, 0.3, 0.5, 0.9)  # λ
 TEMPERATURES = (0.1, 0.3, 0.5, 0.7)  # τ
 SINGLE_EXIT = ("ce", "scl", "acl_embed", "acl")
 MULTI_EXIT = ("ce", "kd", "deebert", "acl", "acl_cl")
+# Every run pinned to one core with XLA's thread pool to match (run_grid --parallel 2 on the
+# 2-core machines): one execution setup for every run, since a thread count can change the
+# order of XLA's reductions.
+PARALLEL = 2
 SPEEDUPS = (1.5, 2.0)  # counted speed-ups at which the multi-exit runs are compared
 BOOTSTRAP_SAMPLES = 10_000
 
@@ -71,7 +75,6 @@ def main(argv=None):
   parser.add_argument("--root", type=pathlib.Path, default=pathlib.Path("runs") / "fair_1",
                       help="where the run directories and the studies go (single exit in "
                       "<root>, multi-exit in <root>_multi_exit)")
-  parser.add_argument("--parallel", type=int, default=2, help="run_grid's --parallel")
   parser.add_argument("--checkout", type=pathlib.Path, default=None,
                       help=f"run: a checkout of {TAG} (git worktree add --detach ../fair1 "
                       f"{PINNED_COMMIT[:7]})")
@@ -87,7 +90,7 @@ def main(argv=None):
     return
   print(describe_choices(single))
   checkout = (args.checkout or REPO_ROOT).resolve()
-  commands = next_commands(single, args.root.resolve(), args.parallel)
+  commands = next_commands(single, args.root.resolve())
   if args.stage == "plan":
     print(f"{len(commands)} run_grid commands (points already recorded are skipped):")
     for command in commands:
@@ -173,7 +176,7 @@ def grid_command(root: pathlib.Path, records: pathlib.Path, task: str, objective
   return command + (["--early_exit"] if early_exit else [])
 
 
-def next_commands(single: list[dict], root: pathlib.Path, parallel: int) -> list[list[str]]:
+def next_commands(single: list[dict], root: pathlib.Path) -> list[list[str]]:
   """The run_grid commands whose inputs are chosen: selection (root), report, multi-exit and
   pilot (<root>_report, <root>_multi_exit, <root>_pilot: their own studies, since their grids
   differ)."""
@@ -181,7 +184,7 @@ def next_commands(single: list[dict], root: pathlib.Path, parallel: int) -> list
   multi, pilot = (root.with_name(root.name + suffix) for suffix in ("_multi_exit", "_pilot"))
   stage1, later = [], []
   for task, chosen in choices(single).items():
-    cmd = lambda *a, **k: grid_command(*a, parallel=parallel, **k)
+    cmd = lambda *a, **k: grid_command(*a, parallel=PARALLEL, **k)
     stage1.append(cmd(select, SINGLE_RECORDS, task, ["ce"], [SELECTION_SEED],
                       {"learning_rate": LEARNING_RATES}))
     if chosen["ce"] is None:

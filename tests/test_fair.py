@@ -73,7 +73,7 @@ def test_each_stage_is_planned_once_the_choices_it_needs_are_made(tmp_path):
                            "scl": {"learning_rate": 1e-4, "aux_weight": 0.3, "temperature": 0.1},
                            "acl": {"learning_rate": 1e-4, "aux_weight": 0.1, "temperature": 0.1}}
   assert chosen["mrpc"] == {"ce": None, "scl": None, "acl": None}
-  commands = [" ".join(c) for c in fair.next_commands(runs, tmp_path / "fair_1", parallel=2)]
+  commands = [" ".join(c) for c in fair.next_commands(runs, tmp_path / "fair_1")]
   mrpc = [c for c in commands if "--tasks mrpc" in c]
   assert len(mrpc) == 1 and "--grid learning_rate=5e-05,0.0001,0.0002" in mrpc[0]
   rte = [c for c in commands if "--tasks rte" in c]
