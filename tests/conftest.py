@@ -140,3 +140,25 @@ def tensorboard_scalars(logdir):
   scalars = {tag: [(e.step, np.float32(e.value)) for e in reader.Scalars(tag)]
              for tag in reader.Tags()["scalars"]}
   return scalars, reader
+
+
+class Crash(Exception):
+  """A process death simulated inside training."""
+
+
+def train_until_crash_after_save(config, workdir, step: int) -> None:
+  """Trains into `workdir` and dies right after the checkpoint at `step` is on disk, as a kill
+  at that point would leave it."""
+  from acl_jax import run_dir
+  from acl_jax import train
+  save = run_dir.RunCheckpoints.save
+
+  def save_then_crash(self, at, state, progress):
+    save(self, at, state, progress)
+    if at == step:
+      self.wait()
+      raise Crash(at)
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(run_dir.RunCheckpoints, "save", save_then_crash)
+    with pytest.raises(Crash):
+      train.train_and_evaluate(config, workdir)

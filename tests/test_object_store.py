@@ -20,14 +20,11 @@ from acl_jax import early_exit
 from acl_jax import run_dir
 from acl_jax import submission
 from acl_jax import train
-from conftest import REPO_ROOT, tensorboard_scalars, tiny_run_config
+from conftest import (REPO_ROOT, tensorboard_scalars, tiny_run_config,
+                      train_until_crash_after_save)
 
 BUCKET = "acl-jax-test"
 PRESET = "rte,multi_exit,objective=acl_cl,max_steps=6,checkpoint_every=2,eval_every=6"
-
-
-class _Crash(Exception):
-  pass
 
 
 def _send_generation_headers_on_download():
@@ -96,7 +93,7 @@ def _cli(*flags, glue_dir, env):
 
 
 def test_a_gs_workdir_trains_resumes_sweeps_and_exports_like_a_local_one(
-    gcs_env, tiny_bert_dir, glue_dir, tmp_path, monkeypatch):
+    gcs_env, tiny_bert_dir, glue_dir, tmp_path):
   """A multi-exit run in a bucket, crashed after its step-4 save and rerun, ends with the
   local run's params, metrics, evaluations and TensorBoard scalars; then the early_exit,
   export and predict CLIs write the local run's outputs there, and overwrite deletes them."""
@@ -106,17 +103,7 @@ def test_a_gs_workdir_trains_resumes_sweeps_and_exports_like_a_local_one(
   # Train into the bucket, crash after the step-4 checkpoint, rerun: it resumes from the
   # bucket to the local run's bits.
   workdir = f"gs://{BUCKET}/runs/rte"
-  save = run_dir.RunCheckpoints.save
-
-  def save_then_crash(self, step, state, progress):
-    save(self, step, state, progress)
-    if step == 4:
-      self.wait()
-      raise _Crash(step)
-  with monkeypatch.context() as patch:
-    patch.setattr(run_dir.RunCheckpoints, "save", save_then_crash)
-    with pytest.raises(_Crash):
-      train.train_and_evaluate(config, workdir)
+  train_until_crash_after_save(config, workdir, 4)
   results = train.train_and_evaluate(config, workdir)
   assert results["checkpoints"]["resumed_from_step"] == 4
   assert results["history"] == reference["history"]

@@ -17,7 +17,7 @@ from acl_jax import data
 from acl_jax import hf_weights
 from acl_jax import run_dir
 from acl_jax import train
-from conftest import REPO_ROOT, tiny_run_config
+from conftest import REPO_ROOT, tiny_run_config, train_until_crash_after_save
 
 RECORDS = sorted((REPO_ROOT / "experiments/results/records").glob("**/config.json"))
 
@@ -88,12 +88,7 @@ def test_kill_9_then_rerun_matches_an_uninterrupted_run_bitwise(tiny_bert_dir, g
   assert [r["step"] for r in res_rows if "loss" in r] == list(range(1, 41))
 
 
-class _Crash(Exception):
-  pass
-
-
-def test_deebert_resumes_at_and_after_its_stage_boundary(tiny_bert_dir, glue_dir, tmp_path,
-                                                         monkeypatch):
+def test_deebert_resumes_at_and_after_its_stage_boundary(tiny_bert_dir, glue_dir, tmp_path):
   """DeeBERT's two stages: a crash right after the stage-1 end checkpoint and one inside
   stage 2 both resume to the uninterrupted run's parameters."""
   config = tiny_run_config(tiny_bert_dir, glue_dir,
@@ -105,18 +100,9 @@ def test_deebert_resumes_at_and_after_its_stage_boundary(tiny_bert_dir, glue_dir
 
   # One run crashes right after the stage-1 end checkpoint, resumes, crashes again inside
   # stage 2, and resumes to the end.
-  original = run_dir.RunCheckpoints.save
   workdir = tmp_path / "crashing"
   for crash_after in (6, 10):
-    def save_then_crash(self, step, state, progress, crash_after=crash_after):
-      original(self, step, state, progress)
-      if step == crash_after:
-        self.wait()
-        raise _Crash(step)
-    with monkeypatch.context() as patch:
-      patch.setattr(run_dir.RunCheckpoints, "save", save_then_crash)
-      with pytest.raises(_Crash):
-        train.train_and_evaluate(config, workdir)
+    train_until_crash_after_save(config, workdir, crash_after)
   results = train.train_and_evaluate(config, workdir)
   assert results["checkpoints"]["resumed_from_step"] == 10
   assert results["history"] == reference["history"]
