@@ -699,6 +699,47 @@ def block_layer_probe() -> str:
   return table(["task", "pooling", *(f"layer {i}" for i in range(1, 7))], rows)
 
 
+# ---- the fair comparison (experiments/fair.py) ------------------------------------------------
+
+@functools.cache
+def _fair():
+  """fair.py and its records: single exit, multi-exit, pilot."""
+  import fair  # experiments/fair.py, beside this file
+  return (fair, *(fair.read_records(d) for d in (fair.SINGLE_RECORDS, fair.MULTI_RECORDS,
+                                                 fair.PILOT_RECORDS)))
+
+
+def block_fair_progress() -> str:
+  fair, single, multi, pilot = _fair()
+  return fair.progress(single, multi, pilot)
+
+
+def block_fair_selection() -> str:
+  fair, single, _, _ = _fair()
+  return fair.selection_table(single)
+
+
+def block_fair_single_exit() -> str:
+  fair, single, _, _ = _fair()
+  return fair.single_exit_table(single)[0]
+
+
+def block_fair_multi_exit() -> str:
+  fair, single, multi, _ = _fair()
+  return fair.multi_exit_table(multi, single)[0]
+
+
+def block_fair_answers() -> str:
+  fair, single, multi, _ = _fair()
+  return fair.answers(single, multi)
+
+
+def block_fair_summary() -> str:
+  """The top-level README's summary of the answers."""
+  fair, single, multi, _ = _fair()
+  return fair.summary(single, multi)
+
+
 BLOCKS = {name[len("block_"):]: fn for name, fn in globals().items() if name.startswith("block_")}
 
 

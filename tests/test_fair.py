@@ -161,3 +161,90 @@ def test_runs_execute_only_the_tagged_commit(tmp_path):
   git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "b")
   with pytest.raises(SystemExit, match=f"execute {fair.TAG}"):
     fair.check_pinned_commit(tmp_path, pinned)
+
+
+def report(root, task, scores: dict[str, list[float]], *, scl_point=(0.3, 0.1),
+           acl_point=(0.9, 0.5)) -> None:
+  """Seeds 1-3 of each single-exit objective at the points `selection` makes best."""
+  points = {"ce": (0.5, 0.3), "scl": scl_point, "acl": acl_point, "acl_embed": acl_point}
+  for objective, values in scores.items():
+    for seed, value in enumerate(values, 1):
+      aux, temperature = points[objective]
+      write_record(root, task, objective, seed, value, aux=aux, temperature=temperature)
+
+
+def test_the_answers_wait_for_every_cell_then_give_each_task_its_verdict(tmp_path):
+  same = [0.60, 0.62, 0.61]
+  scores = {  # RTE: ACL clearly above CE and CE+SCL; MRPC: noise; CoLA: ACL clearly below CE.
+      "rte": {"ce": same, "scl": same, "acl_embed": [0.70, 0.71, 0.72],
+              "acl": [0.70, 0.71, 0.72]},
+      "mrpc": {"ce": same, "scl": same, "acl_embed": same, "acl": [0.61, 0.60, 0.62]},
+      "cola": {"ce": same, "scl": [0.50, 0.51, 0.52], "acl_embed": same,
+               "acl": [0.50, 0.51, 0.52]}}
+  for task, by_objective in scores.items():
+    selection(tmp_path, task, scl={(0.3, 0.1): 0.8}, acl={(0.9, 0.5): 0.9})
+    report(tmp_path, task, by_objective)
+  drop = tmp_path / next(p.name for p in tmp_path.iterdir() if p.name.startswith("cola_acl_s3"))
+  hidden = tmp_path.parent / "hidden"
+  drop.rename(hidden)
+  text = fair.answers(fair.read_records(tmp_path), [])
+  assert "**ACL against CE and CE+SCL.** Not answered yet: 11 of 12 cells have their 3 report " \
+         "seeds (35 of 36 runs recorded" in text
+  hidden.rename(drop)
+  single = fair.read_records(tmp_path)
+  text = fair.answers(single, [])
+  assert ("Against CE, ACL is significantly higher on RTE, significantly lower on CoLA, and not "
+          "significantly different on MRPC. Against CE+SCL it is significantly higher on RTE, "
+          "significantly lower on none, and not significantly different on MRPC and CoLA."
+          ) in text
+  rte = next(line for line in text.splitlines() if line.startswith("- RTE accuracy"))
+  p = stats.ttest_ind([0.70, 0.71, 0.72], same, equal_var=False).pvalue
+  assert f"ACL − CE +0.1000 (Welch p = {p:.3f}" in rte
+  # The gate: ACL's scores are ACL-Embed's on RTE and MRPC (reordered), lower on CoLA.
+  assert ("ACL against ACL-Embed (the gate's contribution) is significantly higher on none, "
+          "significantly lower on CoLA, and not significantly different on RTE and MRPC."
+          ) in text
+  assert "the pilot has not run on this task yet" in text
+  assert "**ACL-CL, the shallow exits and the quality-speed trade-off.** Not answered yet: 0 of " \
+         "16 cells" in text
+  assert fair.summary(single, []).splitlines()[0] == (
+      "- **ACL against CE and CE+SCL.** Against CE, ACL is significantly higher on RTE, "
+      "significantly lower on CoLA, and not significantly different on MRPC. Against CE+SCL it "
+      "is significantly higher on RTE, significantly lower on none, and not significantly "
+      "different on MRPC and CoLA.")
+
+
+def test_the_gate_drop_rate_weights_each_logging_window_by_its_steps(tmp_path):
+  write_record(tmp_path, "rte", "acl", 1, 0.6)
+  run = fair.read_records(tmp_path)[0]
+  rows = [{"step": 20, "conflict_rate": 0.1}, {"step": 40, "conflict_rate": 0.0},
+          {"step": 40, "stage": "eval"}, {"step": 50, "conflict_rate": 0.5}]
+  (pathlib.Path(run["workdir"]) / "metrics.jsonl").write_text(
+      "".join(json.dumps(r) + "\n" for r in rows))
+  assert fair.gate_drop_rate(run) == pytest.approx((20 * 0.1 + 20 * 0.0 + 10 * 0.5) / 50)
+
+
+def test_the_multi_exit_answer_compares_acl_cl_with_the_best_other_objective(tmp_path):
+  selection(tmp_path / "single", "rte", scl={}, acl={(0.9, 0.5): 0.9})
+  sweep = lambda best: {"policies": {"entropy": [
+      {"speedup_ratio": 1.0, "metrics": {"accuracy": 0.7}},
+      {"speedup_ratio": 2.0, "metrics": {"accuracy": best}}]}}
+  at_2x = {"ce": [0.55, 0.56, 0.57], "kd": [0.58, 0.59, 0.60], "deebert": [0.50, 0.52, 0.51],
+           "acl": [0.55, 0.55, 0.56], "acl_cl": [0.65, 0.66, 0.64]}
+  for objective, values in at_2x.items():
+    aux, temperature = (0.9, 0.5) if objective in fair.GATED else (0.5, 0.3)
+    for seed, value in enumerate(values, 1):
+      write_record(tmp_path / "multi", "rte", objective, seed, 0.7, aux=aux,
+                   temperature=temperature, multi_exit=True, early_exit=sweep(value))
+  single, multi = (fair.read_records(tmp_path / d) for d in ("single", "multi"))
+  _, evidence = fair.answer_multi_exit(multi, single)  # unanswered: MRPC, CoLA, the ablation
+  assert evidence == []
+  cells = fair.multi_exit_runs(multi, single)
+  rte = [(o, g, len(runs)) for t, o, g, runs in cells if t == "rte"]
+  assert rte == [(o, "per_exit" if o in fair.GATED else None, 3) for o in fair.MULTI_EXIT] + [
+      ("acl_cl", "global", 0)]
+  runs = {o: r for t, o, g, r in cells if t == "rte" and g != "global"}
+  assert fair.speedup_scores(runs["acl_cl"], 2.0) == at_2x["acl_cl"]
+  # KD is the best other at 2x; ACL-CL's margin over it is what the answer would test.
+  c = fair.compare(fair.speedup_scores(runs["acl_cl"], 2.0), fair.speedup_scores(runs["kd"], 2.0))
+  assert c["verdict"] == "higher" and c["difference"] == pytest.approx(0.06)

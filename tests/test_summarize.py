@@ -6,6 +6,8 @@ import statistics
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO_ROOT
 import summarize
 
@@ -124,9 +126,11 @@ def test_config_fields_are_read_by_their_new_or_old_names(tmp_path):
 NOTEBOOK = REPO_ROOT / "experiments" / "results" / "README.md"
 
 
-def test_the_committed_notebook_matches_the_committed_records():
-  """Every generated block of experiments/results/README.md is what the records give now."""
-  result = _summarize("--notebook", NOTEBOOK, "--check")
+@pytest.mark.parametrize("notebook", [NOTEBOOK, REPO_ROOT / "README.md"], ids=lambda p: p.parent.name)
+def test_the_committed_notebook_matches_the_committed_records(notebook):
+  """Every generated block of experiments/results/README.md, and of the top-level README's
+  results summary, is what the records give now."""
+  result = _summarize("--notebook", notebook, "--check")
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr
 
 
