@@ -46,6 +46,7 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT / "experiments"))
 
 import summarize  # noqa: E402  (experiments/ on the path first)
+from acl_jax.preemption import EXIT_CODE as PREEMPTED  # noqa: E402  (run_grid's exit on SIGTERM)
 
 # The commit every run of the comparison executes (tagged fair-1 where tags travel; the hash is
 # what counts, since a clone may not carry tags).
@@ -115,11 +116,17 @@ def main(argv=None):
                      "code the runs execute")
   check_pinned_commit(checkout)
   check_one_commit_and_machine(single + multi)
+  failed = []
   for command in commands:
     print("$ " + " ".join(command), flush=True)
     returncode = subprocess.run([sys.executable, *command], cwd=checkout).returncode
-    if returncode:
-      raise SystemExit(f"run_grid exited {returncode}; rerun `fair.py run` to continue")
+    if returncode == PREEMPTED or returncode < 0:  # stopped by a signal: stop here too
+      raise SystemExit(f"run_grid stopped (exit {returncode}); rerun `fair.py run` to continue")
+    if returncode:  # a failed run: its cell waits, the other cells' runs go on
+      failed.append(command)
+  if failed:
+    raise SystemExit(f"{len(failed)} run_grid commands had failed runs (their logs above); "
+                     "rerun `fair.py run` to retry them:\n" + "\n".join(map(" ".join, failed)))
 
 
 def read_records(directory: pathlib.Path) -> list[dict]:
