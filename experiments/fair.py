@@ -28,7 +28,9 @@ when Welch's p < SIGNIFICANCE and the bootstrap interval excludes zero.
 
 A choice is the grid point with the best final-step dev main metric on seed 0, ties going to the
 point listed first; it is made only once every point of its grid has a record. The commands are
-run_grid's, so a point already in the records is never trained again.
+run_grid's, so a point already in the records is never trained again; `run` plans again after
+each one, so the stages a finished grid unlocks run in the same invocation, and a command whose
+runs failed does not hold up the others (it exits 1 at the end, naming them).
 """
 
 import argparse
@@ -116,14 +118,21 @@ def main(argv=None):
                      "code the runs execute")
   check_pinned_commit(checkout)
   check_one_commit_and_machine(single + multi)
-  failed = []
-  for command in commands:
+  # One command at a time, each the first of a fresh plan not yet run: the records a command
+  # adds can make choices, and with them the next stages' commands (a grid finished at noon
+  # starts its report runs the same afternoon).
+  done, failed = set(), []
+  while todo := [c for c in commands if tuple(c) not in done]:
+    command = todo[0]
+    done.add(tuple(command))
     print("$ " + " ".join(command), flush=True)
     returncode = subprocess.run([sys.executable, *command], cwd=checkout).returncode
     if returncode == PREEMPTED or returncode < 0:  # stopped by a signal: stop here too
       raise SystemExit(f"run_grid stopped (exit {returncode}); rerun `fair.py run` to continue")
     if returncode:  # a failed run: its cell waits, the other cells' runs go on
       failed.append(command)
+    single = read_records(SINGLE_RECORDS)
+    commands = next_commands(single, args.root.resolve())
   if failed:
     raise SystemExit(f"{len(failed)} run_grid commands had failed runs (their logs above); "
                      "rerun `fair.py run` to retry them:\n" + "\n".join(map(" ".join, failed)))
