@@ -318,7 +318,9 @@ def train_command(point: Point) -> list[str]:
 def queue_points(storage, cell: Cell, args, *, dry_run: bool
                  ) -> list[tuple[Point, list[list[str]]]]:
   """Queues (WAITING) each point of `cell` that no trial holds or has done, and returns those
-  points with the commands each needs. With dry_run, queues nothing."""
+  points and the ones queued earlier and still waiting (an earlier command's, or a dead
+  worker's trial queued again), each with the commands it needs. With dry_run, queues
+  nothing."""
   study = load_study(storage, cell, create=not dry_run)
   trials = []
   if study is not None:
@@ -328,6 +330,9 @@ def queue_points(storage, cell: Cell, args, *, dry_run: bool
   plan = []
   for point in cell.points:
     same = [t for t in trials if trial_point(t) == point.params]
+    if any(t.state == optuna.trial.TrialState.WAITING for t in same):
+      plan.append((point, pending(point, args)))  # in the queue already: this command's too
+      continue
     if any(t.state in ACTIVE or (t.state == optuna.trial.TrialState.COMPLETE
                                  and (t.user_attrs.get("swept") or not args.early_exit))
            for t in same):

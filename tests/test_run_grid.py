@@ -163,7 +163,8 @@ def test_a_killed_workers_trial_is_run_again(tiny_bert_dir, grid_env, tmp_path):
   worker.wait()
   time.sleep(2.5)  # the grace period: two heartbeats
   proc, out = run(command, grid_env)
-  assert proc.returncode == 0 and "ok in" in out, out
+  # The dead worker's trial, queued again, counts among this command's runs.
+  assert proc.returncode == 0 and "1 runs to do" in out and "[1/1]" in out and "ok in" in out, out
   study = optuna.load_study(study_name="grid/rte/ce",
                             storage=f"sqlite:///{tmp_path / 'grid' / 'study.db'}")
   states = [(t.number, t.state) for t in study.trials]
