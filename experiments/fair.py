@@ -417,10 +417,12 @@ def multi_exit_table(multi: list[dict], single: list[dict]) -> tuple[str, list[d
   return "\n".join(lines) + "\n", rows
 
 
-def draw_tradeoffs(multi: list[dict], single: list[dict]) -> None:
+def draw_tradeoffs(multi: list[dict], single: list[dict]) -> dict[str, list[str]]:
   """fair_multi_exit_<task>.png: per policy, each objective's Pareto front over its report
-  seeds (averaged threshold by threshold), from every cell whose runs are all swept."""
+  seeds (averaged threshold by threshold), from every cell whose runs are all swept. Returns
+  the labels drawn per task."""
   from acl_jax import early_exit
+  drawn = {}
   for task in TASKS:
     results, labels = [], []
     for t, objective, gate, runs in multi_exit_runs(multi, single):
@@ -433,6 +435,8 @@ def draw_tradeoffs(multi: list[dict], single: list[dict]) -> None:
       early_exit.plot(results, path, labels=labels,
                       title=f"{TASK_NAMES[task]}, MiniLM, mean-pooled exits, seeds 1-3 ({TAG})")
       print(f"wrote {path}")
+      drawn[task] = list(dict.fromkeys(labels))
+  return drawn
 
 
 def draw_pilots(pilot: list[dict], single: list[dict]) -> None:

@@ -248,3 +248,24 @@ def test_the_multi_exit_answer_compares_acl_cl_with_the_best_other_objective(tmp
   # KD is the best other at 2x; ACL-CL's margin over it is what the answer would test.
   c = fair.compare(fair.speedup_scores(runs["acl_cl"], 2.0), fair.speedup_scores(runs["kd"], 2.0))
   assert c["verdict"] == "higher" and c["difference"] == pytest.approx(0.06)
+
+
+def test_the_tradeoff_figures_draw_each_fully_swept_cell(tmp_path, monkeypatch):
+  """One figure per task with a swept cell; a cell with an unswept seed is left out. The sweeps
+  are real ones from the committed mean-pooled grid."""
+  monkeypatch.setattr(fair, "RESULTS", tmp_path / "results")
+  (tmp_path / "results").mkdir()
+  selection(tmp_path / "single", "rte", scl={}, acl={(0.9, 0.5): 0.9})
+  sweeps = fair.RECORDS / "me_minilm_mean"
+  sweep = lambda o: json.loads((sweeps / f"rte_{o}_s0" / "early_exit.json").read_text())
+  for seed in (1, 2, 3):
+    write_record(tmp_path / "multi", "rte", "ce", seed, 0.6, multi_exit=True,
+                 early_exit=sweep("ce"))
+    for gate in ("per_exit", "global"):
+      write_record(tmp_path / "multi", "rte", "acl_cl", seed, 0.6, aux=0.9, temperature=0.5,
+                   multi_exit=True, gate=gate, early_exit=sweep("acl_cl"))
+    write_record(tmp_path / "multi", "rte", "kd", seed, 0.6, multi_exit=True,
+                 early_exit=sweep("ce") if seed < 3 else None)  # seed 3 not swept
+  drawn = fair.draw_tradeoffs(*(fair.read_records(tmp_path / d) for d in ("multi", "single")))
+  assert drawn == {"rte": ["CE", "ACL-CL", "ACL-CL (global gate)"]}
+  assert (tmp_path / "results" / "fair_multi_exit_rte.png").stat().st_size > 10_000
