@@ -703,41 +703,42 @@ def block_layer_probe() -> str:
 
 @functools.cache
 def _fair():
-  """fair.py and its records: single exit, multi-exit, pilot."""
-  import fair  # experiments/fair.py, beside this file
-  return (fair, *(fair.read_records(d) for d in (fair.SINGLE_RECORDS, fair.MULTI_RECORDS,
-                                                 fair.PILOT_RECORDS)))
+  """fair_report.py and the comparison's records: single exit, multi-exit, pilot."""
+  import fair_report  # experiments/, beside this file
+  from fair import MULTI_RECORDS, PILOT_RECORDS, SINGLE_RECORDS, read_records
+  return (fair_report, *(read_records(d) for d in (SINGLE_RECORDS, MULTI_RECORDS,
+                                                   PILOT_RECORDS)))
 
 
 def block_fair_progress() -> str:
-  fair, single, multi, pilot = _fair()
-  return fair.progress(single, multi, pilot)
+  report, single, multi, pilot = _fair()
+  return report.progress(single, multi, pilot)
 
 
 def block_fair_selection() -> str:
-  fair, single, _, _ = _fair()
-  return fair.selection_table(single)
+  report, single, _, _ = _fair()
+  return report.selection_table(single)
 
 
 def block_fair_single_exit() -> str:
-  fair, single, _, _ = _fair()
-  return fair.single_exit_table(single)[0]
+  report, single, _, _ = _fair()
+  return report.single_exit_table(single)[0]
 
 
 def block_fair_multi_exit() -> str:
-  fair, single, multi, _ = _fair()
-  return fair.multi_exit_table(multi, single)[0]
+  report, single, multi, _ = _fair()
+  return report.multi_exit_table(multi, single)[0]
 
 
 def block_fair_answers() -> str:
-  fair, single, multi, _ = _fair()
-  return fair.answers(single, multi)
+  report, single, multi, _ = _fair()
+  return report.answers(single, multi)
 
 
 def block_fair_summary() -> str:
   """The top-level README's summary of the answers."""
-  fair, single, multi, _ = _fair()
-  return fair.summary(single, multi)
+  report, single, multi, _ = _fair()
+  return report.summary(single, multi)
 
 
 BLOCKS = {name[len("block_"):]: fn for name, fn in globals().items() if name.startswith("block_")}

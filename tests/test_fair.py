@@ -1,5 +1,5 @@
-"""experiments/fair.py: the fair comparison's choices, next commands and tables, from records
-written here as run_grid keeps them (config.json and eval_results.json)."""
+"""experiments/fair.py and fair_report.py: the fair comparison's choices, next commands, tables
+and answers, from records written here as run_grid keeps them (config.json, eval_results.json)."""
 
 import json
 import math
@@ -11,6 +11,7 @@ import pytest
 from scipy import stats
 
 import fair
+import fair_report
 
 COMMIT, MACHINE = "5eb4784f7ffe", {"cpu": "AMD EPYC", "cores": 2}
 
@@ -100,7 +101,7 @@ def test_the_single_exit_table_compares_each_objective_with_ce(tmp_path):
     write_record(tmp_path, "rte", "acl", seed, a, aux=0.9, temperature=0.5)
     write_record(tmp_path, "rte", "acl_embed", seed, a - 0.01, aux=0.9, temperature=0.5)
     write_record(tmp_path, "rte", "acl", seed, 0.99, aux=0.5, temperature=0.3)  # not chosen
-  text, rows = fair.single_exit_table(fair.read_records(tmp_path))
+  text, rows = fair_report.single_exit_table(fair.read_records(tmp_path))
   assert sorted((r["objective"], r["seed"]) for r in rows) == sorted(
       (o, s) for o in ("ce", "acl", "acl_embed") for s in (1, 2, 3))
   assert all(r["commit"] == COMMIT for r in rows)
@@ -118,10 +119,10 @@ def test_the_single_exit_table_compares_each_objective_with_ce(tmp_path):
 
 def test_the_bootstrap_interval_brackets_the_observed_difference():
   a, b = [0.66, 0.70, 0.65], [0.60, 0.62, 0.61]
-  low, high = fair.bootstrap_interval(a, b)
+  low, high = fair_report.bootstrap_interval(a, b)
   # Resampled means stay within each group's range: the difference too.
   assert min(a) - max(b) <= low < np.mean(a) - np.mean(b) < high <= max(a) - min(b)
-  assert fair.bootstrap_interval(a, b) == (low, high)  # seeded: the table is reproducible
+  assert fair_report.bootstrap_interval(a, b) == (low, high)  # seeded: the table is reproducible
 
 
 def test_the_multi_exit_table_reads_the_best_metric_at_each_counted_speedup(tmp_path):
@@ -131,7 +132,7 @@ def test_the_multi_exit_table_reads_the_best_metric_at_each_counted_speedup(tmp_
   for seed, best in zip((1, 2, 3), (0.60, 0.62, 0.64)):
     write_record(tmp_path / "multi", "rte", "acl_cl", seed, 0.7, aux=0.9, temperature=0.5,
                  multi_exit=True, early_exit=sweep((1.0, 0.7), (1.6, best), (2.1, 0.55)))
-  text, rows = fair.multi_exit_table(fair.read_records(tmp_path / "multi"),
+  text, rows = fair_report.multi_exit_table(fair.read_records(tmp_path / "multi"),
                                      fair.read_records(tmp_path / "single"))
   line = next(line for line in text.splitlines() if "| rte | acl_cl |" in line)
   assert line == "| rte | acl_cl | 1,2,3 | 0.6200 ± 0.0200 | 0.5500 ± 0.0000 | 0.7000 ± 0.0000 |"
@@ -187,12 +188,12 @@ def test_the_answers_wait_for_every_cell_then_give_each_task_its_verdict(tmp_pat
   drop = tmp_path / next(p.name for p in tmp_path.iterdir() if p.name.startswith("cola_acl_s3"))
   hidden = tmp_path.parent / "hidden"
   drop.rename(hidden)
-  text = fair.answers(fair.read_records(tmp_path), [])
+  text = fair_report.answers(fair.read_records(tmp_path), [])
   assert "**ACL against CE and CE+SCL.** Not answered yet: 11 of 12 cells have their 3 report " \
          "seeds (35 of 36 runs recorded" in text
   hidden.rename(drop)
   single = fair.read_records(tmp_path)
-  text = fair.answers(single, [])
+  text = fair_report.answers(single, [])
   assert ("Against CE, ACL is significantly higher on RTE, significantly lower on CoLA, and not "
           "significantly different on MRPC. Against CE+SCL it is significantly higher on RTE, "
           "significantly lower on none, and not significantly different on MRPC and CoLA."
@@ -207,7 +208,7 @@ def test_the_answers_wait_for_every_cell_then_give_each_task_its_verdict(tmp_pat
   assert "the pilot has not run on this task yet" in text
   assert "**ACL-CL, the shallow exits and the quality-speed trade-off.** Not answered yet: 0 of " \
          "16 cells" in text
-  assert fair.summary(single, []).splitlines()[0] == (
+  assert fair_report.summary(single, []).splitlines()[0] == (
       "- **ACL against CE and CE+SCL.** Against CE, ACL is significantly higher on RTE, "
       "significantly lower on CoLA, and not significantly different on MRPC. Against CE+SCL it "
       "is significantly higher on RTE, significantly lower on none, and not significantly "
@@ -221,7 +222,7 @@ def test_the_gate_drop_rate_weights_each_logging_window_by_its_steps(tmp_path):
           {"step": 40, "stage": "eval"}, {"step": 50, "conflict_rate": 0.5}]
   (pathlib.Path(run["workdir"]) / "metrics.jsonl").write_text(
       "".join(json.dumps(r) + "\n" for r in rows))
-  assert fair.gate_drop_rate(run) == pytest.approx((20 * 0.1 + 20 * 0.0 + 10 * 0.5) / 50)
+  assert fair_report.gate_drop_rate(run) == pytest.approx((20 * 0.1 + 20 * 0.0 + 10 * 0.5) / 50)
 
 
 def test_the_multi_exit_answer_compares_acl_cl_with_the_best_other_objective(tmp_path):
@@ -237,23 +238,23 @@ def test_the_multi_exit_answer_compares_acl_cl_with_the_best_other_objective(tmp
       write_record(tmp_path / "multi", "rte", objective, seed, 0.7, aux=aux,
                    temperature=temperature, multi_exit=True, early_exit=sweep(value))
   single, multi = (fair.read_records(tmp_path / d) for d in ("single", "multi"))
-  _, evidence = fair.answer_multi_exit(multi, single)  # unanswered: MRPC, CoLA, the ablation
+  _, evidence = fair_report.answer_multi_exit(multi, single)  # unanswered: MRPC, CoLA, the ablation
   assert evidence == []
   cells = fair.multi_exit_runs(multi, single)
   rte = [(o, g, len(runs)) for t, o, g, runs in cells if t == "rte"]
   assert rte == [(o, "per_exit" if o in fair.GATED else None, 3) for o in fair.MULTI_EXIT] + [
       ("acl_cl", "global", 0)]
   runs = {o: r for t, o, g, r in cells if t == "rte" and g != "global"}
-  assert fair.speedup_scores(runs["acl_cl"], 2.0) == at_2x["acl_cl"]
+  assert fair_report.speedup_scores(runs["acl_cl"], 2.0) == at_2x["acl_cl"]
   # KD is the best other at 2x; ACL-CL's margin over it is what the answer would test.
-  c = fair.compare(fair.speedup_scores(runs["acl_cl"], 2.0), fair.speedup_scores(runs["kd"], 2.0))
+  c = fair_report.compare(fair_report.speedup_scores(runs["acl_cl"], 2.0), fair_report.speedup_scores(runs["kd"], 2.0))
   assert c["verdict"] == "higher" and c["difference"] == pytest.approx(0.06)
 
 
 def test_the_tradeoff_figures_draw_each_fully_swept_cell(tmp_path, monkeypatch):
   """One figure per task with a swept cell; a cell with an unswept seed is left out. The sweeps
   are real ones from the committed mean-pooled grid."""
-  monkeypatch.setattr(fair, "RESULTS", tmp_path / "results")
+  monkeypatch.setattr(fair_report, "RESULTS", tmp_path / "results")
   (tmp_path / "results").mkdir()
   selection(tmp_path / "single", "rte", scl={}, acl={(0.9, 0.5): 0.9})
   sweeps = fair.RECORDS / "me_minilm_mean"
@@ -266,6 +267,6 @@ def test_the_tradeoff_figures_draw_each_fully_swept_cell(tmp_path, monkeypatch):
                    multi_exit=True, gate=gate, early_exit=sweep("acl_cl"))
     write_record(tmp_path / "multi", "rte", "kd", seed, 0.6, multi_exit=True,
                  early_exit=sweep("ce") if seed < 3 else None)  # seed 3 not swept
-  drawn = fair.draw_tradeoffs(*(fair.read_records(tmp_path / d) for d in ("multi", "single")))
+  drawn = fair_report.draw_tradeoffs(*(fair.read_records(tmp_path / d) for d in ("multi", "single")))
   assert drawn == {"rte": ["CE", "ACL-CL", "ACL-CL (global gate)"]}
   assert (tmp_path / "results" / "fair_multi_exit_rte.png").stat().st_size > 10_000
