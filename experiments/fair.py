@@ -41,6 +41,7 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT / "experiments"))
 
 import summarize  # noqa: E402  (experiments/ on the path first)
+from acl_jax import host  # noqa: E402
 from acl_jax.preemption import EXIT_CODE as PREEMPTED  # noqa: E402  (run_grid's exit on SIGTERM)
 
 # The commit every run of the comparison executes (tagged fair-1 where tags travel; the hash is
@@ -98,6 +99,7 @@ def main(argv=None):
                      "code the runs execute")
   check_pinned_commit(checkout)
   check_one_commit_and_machine(single + multi)
+  check_this_machine(single + multi + read_records(PILOT_RECORDS), host.machine())
   # One command at a time, each the first of a fresh plan not yet run: the records a command
   # adds can make choices, and with them the next stages' commands (a grid finished at noon
   # starts its report runs the same afternoon).
@@ -238,6 +240,16 @@ def check_pinned_commit(checkout: pathlib.Path, pinned: str = PINNED_COMMIT) -> 
   if git("status", "--porcelain", "--untracked-files=no"):
     raise SystemExit(f"{checkout} has changes to {TAG}'s files; the runs must execute it as "
                      "committed")
+
+
+def check_this_machine(runs: list[dict], here: str) -> None:
+  """A session on another machine type adds no runs to the comparison (its dev metrics could
+  differ in the last bits, and so could a choice)."""
+  machines = sorted({str(run["machine"]) for run in runs})
+  if machines and machines != [here]:
+    raise SystemExit(f"this machine is {here!r}, and the records of {TAG} come from "
+                     f"{' and '.join(map(repr, machines))}: run on that machine type, or start "
+                     "a new comparison (a new tag and records directory) for this one")
 
 
 def check_one_commit_and_machine(runs: list[dict]) -> None:

@@ -13,7 +13,7 @@ from scipy import stats
 import fair
 import fair_report
 
-COMMIT, MACHINE = "5eb4784f7ffe", {"cpu": "AMD EPYC", "cores": 2}
+COMMIT, MACHINE = "5eb4784f7ffe", "AMD EPYC, 2 cores"  # as acl_jax.host.machine() writes it
 
 
 def write_record(root: pathlib.Path, task, objective, seed, score, *, lr=1e-4, aux=0.5,
@@ -145,6 +145,15 @@ def test_one_comparison_keeps_one_commit_and_one_machine(tmp_path):
   write_record(tmp_path, "rte", "ce", 2, 0.6, commit="0123456789ab")
   with pytest.raises(SystemExit, match="mix commits"):
     fair.check_one_commit_and_machine(fair.read_records(tmp_path))
+
+
+def test_a_session_on_another_machine_type_adds_no_runs(tmp_path):
+  write_record(tmp_path, "rte", "ce", 0, 0.6)
+  runs = fair.read_records(tmp_path)
+  fair.check_this_machine(runs, "AMD EPYC, 2 cores")
+  fair.check_this_machine([], "Intel(R) Xeon(R) Processor, 2 cores")  # the first run decides
+  with pytest.raises(SystemExit, match="this machine is 'Intel.*come from 'AMD EPYC, 2 cores'"):
+    fair.check_this_machine(runs, "Intel(R) Xeon(R) Processor, 2 cores")
 
 
 def test_runs_execute_only_the_tagged_commit(tmp_path):
