@@ -85,7 +85,7 @@ def test_each_stage_is_planned_once_the_choices_it_needs_are_made(tmp_path):
   assert ("--seeds 1,2,3" in report and "fair_1_report" in report
           and "--grid aux_weight=0.1 --grid temperature=0.1" in report)
   deebert = next(c for c in rte if "--objectives deebert" in c)
-  assert "pooler_weights=per_exit" in deebert and "--early_exit" in deebert
+  assert "pooler_weights=per_exit" in deebert and "--early_exit --early_exit_examples 128" in deebert
   ablation = next(c for c in rte if "gate_granularity=global" in c)
   assert "--objectives acl_cl" in ablation and "fair_1_multi_exit" in ablation
   pilot = [c for c in rte if "measure_conflict,log_every=1" in c]
