@@ -23,6 +23,7 @@ import statistics
 import numpy as np
 
 import summarize
+from summarize import pm
 from fair import (ABLATION_TASK, AUX_WEIGHTS, GRID, LEARNING_RATES, MULTI_EXIT, PILOT_RECORDS,
                   REPORT_SEEDS, SELECTION_SEED, SINGLE_EXIT, TAG, TASKS, TEMPERATURES,
                   check_one_commit_and_machine, choices, multi_exit_runs, read_records, score,
@@ -88,8 +89,7 @@ def comparison_cells(values, baseline) -> str:
   """mean ± std | difference to the baseline | Welch p | bootstrap 95% interval."""
   if not values:
     return "missing | | |"
-  mean, std = summarize.mean_std(values)
-  cells = f"{mean:.4f} ± {std:.4f}"
+  cells = pm(values, ".4f")
   c = compare(values, baseline) if baseline is not None else None
   if c is None:
     return cells + " | | |"
@@ -109,12 +109,6 @@ def record_row(run: dict) -> dict:
           "gate_granularity": run["gate_granularity"] if run["multi_exit"] else None,
           "commit": run["commit"], "machine": run["machine"], "record": run["workdir"],
           "main_metric": run["main_metric"], "metrics": run["metrics"]}
-
-
-def pm(values, digits: int = 3) -> str:
-  """"0.612 ± 0.013", the mean ± sample std ("" for no values)."""
-  values = list(values)
-  return "{:.{d}f} ± {:.{d}f}".format(*summarize.mean_std(values), d=digits) if values else ""
 
 
 # ---- tables and figures --------------------------------------------------------------------
@@ -167,8 +161,8 @@ def multi_exit_table(multi: list[dict], single: list[dict]) -> tuple[str, list[d
     if not runs:
       lines.append(f"| {task} | {name} | - |" + " |" * len(SPEEDUPS) + " missing |")
       continue
-    cells = [pm(speedup_scores(runs, ratio), 4) or "-" for ratio in SPEEDUPS]
-    cells.append(pm([score(r) for r in runs], 4))
+    cells = [pm(speedup_scores(runs, ratio), ".4f") or "-" for ratio in SPEEDUPS]
+    cells.append(pm([score(r) for r in runs], ".4f"))
     lines.append(f"| {task} | {name} | {summarize.seeds_of(runs)} | " + " | ".join(cells) + " |")
   return "\n".join(lines) + "\n", rows
 
@@ -266,8 +260,8 @@ def answer_single_exit(single: list[dict]) -> tuple[str, list[str]]:
     against = {o: compare(values["acl"], values[o]) for o in ("ce", "scl")}
     for o, c in against.items():
       verdicts[o][TASK_NAMES[task]] = c["verdict"] if c else "no significant difference"
-    lines.append(f"{TASK_NAMES[task]} {metric}: ACL {pm(values['acl'], 4)}, CE "
-                 f"{pm(values['ce'], 4)}, CE+SCL {pm(values['scl'], 4)}; ACL − CE "
+    lines.append(f"{TASK_NAMES[task]} {metric}: ACL {pm(values['acl'], '.4f')}, CE "
+                 f"{pm(values['ce'], '.4f')}, CE+SCL {pm(values['scl'], '.4f')}; ACL − CE "
                  f"{describe(against['ce'])}; ACL − CE+SCL {describe(against['scl'])}.")
   return (f"Against CE, ACL is {tally(verdicts['ce'])}. Against CE+SCL it is "
           f"{tally(verdicts['scl'])}."), lines
@@ -340,14 +334,14 @@ def answer_multi_exit(multi: list[dict], single: list[dict]) -> tuple[str, list[
       best = max(rivals, key=lambda o: statistics.fmean(values[o]))
       c = compare(values["acl_cl"], values[best])
       verdicts[place] = c["verdict"] if c else "no significant difference"
-      lines.append(f"{place}: " + ", ".join(f"{LABELS[o]} {pm(values[o], 4)}" for o in
+      lines.append(f"{place}: " + ", ".join(f"{LABELS[o]} {pm(values[o], '.4f')}" for o in
                                            MULTI_EXIT if values[o])
                    + f"; ACL-CL − {LABELS[best]} (the best other) {describe(c)}.")
   ablation = {g: r for t, o, g, r in cells if t == ABLATION_TASK and o == "acl_cl"}
   c = compare([score(r) for r in ablation["per_exit"]], [score(r) for r in ablation["global"]])
   lines.append(f"Gate ablation, {TASK_NAMES[ABLATION_TASK]} ACL-CL exits' average: per-exit "
-               f"{pm([score(r) for r in ablation['per_exit']], 4)}, global "
-               f"{pm([score(r) for r in ablation['global']], 4)}; per-exit − global "
+               f"{pm([score(r) for r in ablation['per_exit']], '.4f')}, global "
+               f"{pm([score(r) for r in ablation['global']], '.4f')}; per-exit − global "
                f"{describe(c)}.")
   return (f"Against the best other objective at equal counted speed-up, ACL-CL is "
           f"{tally(verdicts)}."), lines

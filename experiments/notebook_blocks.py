@@ -15,6 +15,7 @@ import statistics
 import sys
 
 import summarize
+from summarize import pm
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 RECORDS = RESULTS / "records"
@@ -93,11 +94,6 @@ def span(values, fmt=".2f", sep="-") -> str:
   """"0.85-0.91": the range of `values` as printed (one value if they print alike)."""
   low, high = format(min(values), fmt), format(max(values), fmt)
   return low if low == high else f"{low}{sep}{high}"
-
-
-def pm(values, fmt=".3f") -> str:
-  m, s = summarize.mean_std(values)
-  return f"{m:{fmt}} ± {s:{fmt}}"
 
 
 def table(header: list[str], rows: list[list]) -> str:

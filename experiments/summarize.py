@@ -154,6 +154,12 @@ def mean_std(values):
   return statistics.fmean(values), std
 
 
+def pm(values, fmt: str = ".3f") -> str:
+  """"0.612 ± 0.013": the mean ± sample std ("" for no values)."""
+  values = list(values)
+  return "{:{f}} ± {:{f}}".format(*mean_std(values), f=fmt) if values else ""
+
+
 def seeds_of(group: list[dict]) -> str:
   return ",".join(str(r["seed"]) for r in sorted(group, key=lambda r: r["seed"]))
 
