@@ -316,13 +316,22 @@ def answer_gate(single: list[dict]) -> tuple[str, list[str]]:
 
 def answer_multi_exit(multi: list[dict], single: list[dict]) -> tuple[str, list[str]]:
   """(the verdict, its evidence) for ACL-CL: its best dev metric at each counted speed-up of
-  SPEEDUPS against the best of the other objectives there, and the gate ablation."""
+  SPEEDUPS against the best of the other objectives there, each exit's metric against CE's,
+  and the gate ablation."""
   cells = multi_exit_runs(multi, single)
   if why := unanswered([runs for *_, runs in cells]):
     return why, []
-  lines, verdicts = [], {}
+  lines, verdicts, exit_verdicts = [], {}, []
   for task in TASKS:
     runs = {o: r for t, o, g, r in cells if t == task and g != "global"}
+    # Exit by exit (the last column of exit_scores is the average: left out).
+    per_exit = [compare(list(cl), list(ce)) for cl, ce in
+                zip(*(list(zip(*map(summarize.exit_scores, runs[o])))[:-1]
+                      for o in ("acl_cl", "ce")))]
+    exit_verdicts += [c["verdict"] if c else "no significant difference" for c in per_exit]
+    lines.append(f"{TASK_NAMES[task]}, exit by exit, ACL-CL − CE: " + ", ".join(
+        f"exit {k} {c['difference']:+.4f} (p = {c['p']:.3f})" if c else f"exit {k} -"
+        for k, c in enumerate(per_exit, 1)) + ".")
     for ratio in SPEEDUPS:
       values = {o: speedup_scores(r, ratio) for o, r in runs.items()}
       rivals = [o for o in MULTI_EXIT if o != "acl_cl" and values[o]]
@@ -344,7 +353,10 @@ def answer_multi_exit(multi: list[dict], single: list[dict]) -> tuple[str, list[
                f"{pm([score(r) for r in ablation['global']], '.4f')}; per-exit − global "
                f"{describe(c)}.")
   return (f"Against the best other objective at equal counted speed-up, ACL-CL is "
-          f"{tally(verdicts)}."), lines
+          f"{tally(verdicts)}. Exit by exit against CE, it is significantly higher at "
+          f"{exit_verdicts.count('higher')} and significantly lower at "
+          f"{exit_verdicts.count('lower')} of the {len(exit_verdicts)} exits of the "
+          f"{len(TASKS)} tasks."), lines
 
 
 CLAIMS = (("ACL against CE and CE+SCL", lambda s, m: answer_single_exit(s)),

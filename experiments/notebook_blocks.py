@@ -15,7 +15,7 @@ import statistics
 import sys
 
 import summarize
-from summarize import pm
+from summarize import exit_scores, metric_name, pm
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 RECORDS = RESULTS / "records"
@@ -58,16 +58,6 @@ def jsonl(name: str) -> tuple[dict, ...]:
 @functools.cache
 def early_exit(grid_name: str, task: str, objective: str) -> dict:
   return json.loads((RECORDS / grid_name / f"{task}_{objective}_s0" / "early_exit.json").read_text())
-
-
-def metric_name(run_: dict) -> str:
-  return run_["main_metric"].split("/")[-1]
-
-
-def exit_scores(run_: dict) -> list[float]:
-  """The main metric at every exit, then the average over exits."""
-  split, metric = run_["main_metric"].split("/")[0], metric_name(run_)
-  return [run_["metrics"][f"{split}/{e}/{metric}"] for e in [*summarize.exit_names(run_), "avg"]]
 
 
 def final_exit_train_ce(run_: dict) -> float:

@@ -169,6 +169,17 @@ def exit_names(run: dict) -> list[str]:
                 key=lambda e: int(e[len("exit"):]))
 
 
+def metric_name(run: dict) -> str:
+  """The main metric's name without its split and exit ("accuracy")."""
+  return run["main_metric"].split("/")[-1]
+
+
+def exit_scores(run: dict) -> list[float]:
+  """A multi-exit run's main metric at every exit, then the average over exits."""
+  split, metric = run["main_metric"].split("/")[0], metric_name(run)
+  return [run["metrics"][f"{split}/{e}/{metric}"] for e in [*exit_names(run), "avg"]]
+
+
 def per_exit_row(task: str, objective: str, group: list[dict]) -> tuple[list[str], str]:
   """A multi-exit group's main metric at every exit and on average: (exit names, row)."""
   split, _, metric = group[0]["main_metric"].partition("/")
