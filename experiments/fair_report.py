@@ -53,12 +53,19 @@ def write_tables(single: list[dict], multi: list[dict]) -> None:
 # ---- statistics ------------------------------------------------------------------------------
 
 def welch_p(a, b) -> float:
-  """Welch's two-sided t-test p-value (nan when either group has fewer than 2 runs or both
-  have no spread)."""
+  """Welch's two-sided t-test p-value (nan when either group has fewer than 2 runs or neither
+  has any spread). Written out rather than scipy.stats.ttest_ind, which warns of precision loss
+  when one group's runs are equal (three seeds can reach the same best operating point)."""
   from scipy import stats
-  if len(a) < 2 or len(b) < 2 or (np.var(a) == 0 and np.var(b) == 0):
+  a, b = np.asarray(a, float), np.asarray(b, float)
+  if len(a) < 2 or len(b) < 2:
     return float("nan")
-  return float(stats.ttest_ind(a, b, equal_var=False).pvalue)
+  va, vb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)  # each mean's squared std error
+  if va + vb == 0:
+    return float("nan")
+  t = (a.mean() - b.mean()) / np.sqrt(va + vb)
+  df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))  # Welch-Satterthwaite
+  return float(2 * stats.t.sf(abs(t), df))
 
 
 def bootstrap_interval(a, b, *, seed: int = 0) -> tuple[float, float]:

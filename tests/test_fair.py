@@ -117,6 +117,20 @@ def test_the_single_exit_table_compares_each_objective_with_ce(tmp_path):
   assert "| mrpc | ce | not chosen yet |" in text
 
 
+def test_welch_p_is_scipys_and_takes_a_group_without_spread():
+  rng = np.random.default_rng(0)
+  for n, m in ((3, 3), (3, 5), (8, 4)):
+    a, b = rng.normal(0.6, 0.02, n), rng.normal(0.62, 0.05, m)
+    assert fair_report.welch_p(a, b) == pytest.approx(
+        stats.ttest_ind(a, b, equal_var=False).pvalue, rel=1e-9)
+  # One group without spread: t over the other's standard error, with its n - 1 degrees.
+  a, b = [0.6, 0.6, 0.6], [0.62, 0.64, 0.63]
+  t = (0.63 - 0.6) / (np.std(b, ddof=1) / math.sqrt(3))
+  assert fair_report.welch_p(a, b) == pytest.approx(2 * stats.t.sf(t, 2))
+  assert math.isnan(fair_report.welch_p([0.6] * 3, [0.6] * 3))
+  assert math.isnan(fair_report.welch_p([0.6], [0.6, 0.7]))
+
+
 def test_the_bootstrap_interval_brackets_the_observed_difference():
   a, b = [0.66, 0.70, 0.65], [0.60, 0.62, 0.61]
   low, high = fair_report.bootstrap_interval(a, b)
