@@ -151,7 +151,7 @@ def read_early_exit(run: dict) -> dict:
 def speedup_scores(runs: list[dict], ratio: float) -> list[float]:
   """Each run's best dev metric at a counted speed-up of at least `ratio` (runs without such
   an operating point left out)."""
-  bests = [best_at_speedup(read_early_exit(r), r["main_metric"].split("/")[-1], ratio)
+  bests = [best_at_speedup(read_early_exit(r), summarize.metric_name(r), ratio)
            for r in runs]
   return [b for b in bests if b is not None]
 
@@ -263,7 +263,7 @@ def answer_single_exit(single: list[dict]) -> tuple[str, list[str]]:
   lines, verdicts = [], {"ce": {}, "scl": {}}
   for task in TASKS:
     values = {o: [score(r) for r in by_cell[task, o][1]] for o in SINGLE_EXIT}
-    metric = by_cell[task, "ce"][1][0]["main_metric"].split("/")[-1]
+    metric = summarize.metric_name(by_cell[task, "ce"][1][0])
     against = {o: compare(values["acl"], values[o]) for o in ("ce", "scl")}
     for o, c in against.items():
       verdicts[o][TASK_NAMES[task]] = c["verdict"] if c else "no significant difference"
