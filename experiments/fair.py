@@ -27,15 +27,19 @@ A choice is the grid point with the best final-step dev main metric on seed 0, t
 point listed first; it is made only once every point of its grid has a record. The commands are
 run_grid's, so a point already in the records is never trained again; `run` plans again after
 each one, so the stages a finished grid unlocks run in the same invocation, and a command whose
-runs failed does not hold up the others (it exits 1 at the end, naming them).
+runs failed does not hold up the others (it exits 1 at the end, naming them). `run` keeps LANES
+commands going at once, each a single run_grid worker pinned to its own core (class Lanes).
 """
 
 import argparse
 import collections
 import itertools
+import os
 import pathlib
+import signal
 import subprocess
 import sys
+import threading
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT / "experiments"))
@@ -64,10 +68,13 @@ TEMPERATURES = (0.1, 0.3, 0.5, 0.7)  # τ
 SINGLE_EXIT = ("ce", "scl", "acl_embed", "acl")
 MULTI_EXIT = ("ce", "kd", "deebert", "acl", "acl_cl")
 GATED = ("acl", "acl_cl")  # at ACL's λ and τ, with the per-exit gate in the multi-exit runs
-# Every run pinned to one core with XLA's thread pool to match (run_grid --parallel 2 on the
-# 2-core machines): one execution setup for every run, since a thread count can change the
-# order of XLA's reductions.
-PARALLEL = 2
+# Every run pinned to one core with XLA's thread pool to match: one execution setup for every
+# run, since a thread count can change the order of XLA's reductions. `run` gives each of LANES
+# run_grid commands its own core and one worker (--parallel 1), the setup run_grid's own
+# --parallel 2 gives each of its workers; unlike one --parallel 2 command at a time, a lane
+# whose command is down to its last run takes the next command, or joins the other lane's,
+# instead of leaving its core idle.
+LANES = 2
 GRID = ("learning_rate", "aux_weight", "temperature")  # a contrastive selection point
 # Dev examples each early-exit sweep times at batch size 1 (its metrics and counted speed-ups
 # use every example): timing all of CoLA's 1043 at 28 thresholds would add about 25 minutes to
@@ -94,7 +101,8 @@ def main(argv=None):
   checkout = (args.checkout or REPO_ROOT).resolve()
   commands = next_commands(single, args.root.resolve())
   if args.stage == "plan":
-    print(f"{len(commands)} run_grid commands (points already recorded are skipped):")
+    print(f"{len(commands)} run_grid commands (points already recorded are skipped; `run` "
+          f"keeps {LANES} going, each pinned to its own core):")
     for command in commands:
       print("  " + " ".join(command))
     return
@@ -104,24 +112,100 @@ def main(argv=None):
   check_pinned_commit(checkout)
   check_one_commit_and_machine(single + multi)
   check_this_machine(single + multi + read_records(PILOT_RECORDS), host.machine())
-  # One command at a time, each the first of a fresh plan not yet run: the records a command
-  # adds can make choices, and with them the next stages' commands (a grid finished at noon
-  # starts its report runs the same afternoon).
-  done, failed = set(), []
-  while todo := [c for c in commands if tuple(c) not in done]:
-    command = todo[0]
-    done.add(tuple(command))
-    print("$ " + " ".join(command), flush=True)
-    returncode = subprocess.run([sys.executable, *command], cwd=checkout).returncode
-    if returncode == PREEMPTED or returncode < 0:  # stopped by a signal: stop here too
-      raise SystemExit(f"run_grid stopped (exit {returncode}); rerun `fair.py run` to continue")
-    if returncode:  # a failed run: its cell waits, the other cells' runs go on
-      failed.append(command)
-    single = read_records(SINGLE_RECORDS)
-    commands = next_commands(single, args.root.resolve())
-  if failed:
-    raise SystemExit(f"{len(failed)} run_grid commands had failed runs (their logs above); "
-                     "rerun `fair.py run` to retry them:\n" + "\n".join(map(" ".join, failed)))
+  import run_grid  # experiments/, beside this script: how cores are split
+  lanes = Lanes(commands, lambda: next_commands(read_records(SINGLE_RECORDS), args.root.resolve()))
+  children: set[subprocess.Popen] = set()
+  # A SIGTERM here goes on to the workers, which pass it to their runs (they save and exit 75).
+  signal.signal(signal.SIGTERM, lambda *_: [c.send_signal(signal.SIGTERM) for c in set(children)])
+  lanes.run(lambda command, cores: run_pinned(command, cores, checkout, children),
+            run_grid.core_groups(LANES))
+  if lanes.stopped is not None:
+    raise SystemExit(f"run_grid stopped (exit {lanes.stopped}); rerun `fair.py run` to continue")
+  if lanes.failed:
+    raise SystemExit(f"{len(lanes.failed)} run_grid commands had failed runs (their logs "
+                     "above); rerun `fair.py run` to retry them:\n"
+                     + "\n".join(map(" ".join, lanes.failed)))
+
+
+def run_pinned(command: list[str], cores: set[int], cwd: pathlib.Path,
+               children: set[subprocess.Popen]) -> int:
+  """Runs `python <command>` in cwd pinned to `cores`, XLA's thread pool sized to match, and
+  returns its exit status; the process is in `children` while it runs."""
+  import run_grid  # experiments/, beside this script: XLA's thread flag
+  flags = " ".join(filter(None, [os.environ.get("XLA_FLAGS"),
+                                 run_grid.xla_thread_flags(len(cores))]))
+  # run_grid --parallel 1 pins nothing itself: its worker and runs inherit these cores.
+  child = subprocess.Popen([sys.executable, *command], cwd=cwd,
+                           env={**os.environ, "XLA_FLAGS": flags},
+                           preexec_fn=lambda: os.sched_setaffinity(0, cores))
+  children.add(child)
+  try:
+    return child.wait()
+  finally:
+    children.discard(child)
+
+
+class Lanes:
+  """Hands run_grid commands to lanes, one core each.
+
+  A lane takes the first command of the latest plan that no lane has taken: the records a
+  command adds can make choices, and with them the next stages' commands (a grid finished at
+  noon starts its report runs the same afternoon). With none left, it joins a command that one
+  other lane runs, as a second worker on that command's Optuna study; with none of those, it
+  waits for a lane to finish and the plan to be made again. A run stopped by a signal (exit 75,
+  or killed) stops every lane from taking more; a failed run does not hold up other commands.
+  """
+
+  def __init__(self, commands: list[list[str]], replan):
+    self.commands, self.replan = [tuple(c) for c in commands], replan
+    self.changed = threading.Condition()
+    self.taken, self.joined = set(), set()  # taken fresh / joined by a second lane
+    self.workers = collections.Counter()  # command -> lanes running it now
+    self.failed: list[tuple[str, ...]] = []
+    self.stopped: int | None = None  # the exit status that stopped the lanes
+
+  def take(self) -> tuple[str, ...] | None:
+    with self.changed:
+      while self.stopped is None:
+        fresh = [c for c in self.commands if c not in self.taken]
+        alone = [c for c, n in self.workers.items() if n == 1 and c not in self.joined]
+        if fresh or alone:
+          command = fresh[0] if fresh else alone[0]
+          (self.taken if fresh else self.joined).add(command)
+          self.workers[command] += 1
+          return command
+        if not self.workers:  # nothing runs, so nothing can plan more
+          return None
+        self.changed.wait()
+      return None
+
+  def finish(self, command: tuple[str, ...], returncode: int) -> None:
+    with self.changed:
+      self.workers[command] -= 1
+      if not self.workers[command]:
+        del self.workers[command]
+      if returncode == PREEMPTED or returncode < 0:
+        self.stopped = returncode
+      elif returncode and command not in self.failed:  # its cell waits; the others go on
+        self.failed.append(command)
+      self.commands = [tuple(c) for c in self.replan()]
+      self.changed.notify_all()
+
+  def run(self, execute, core_sets: list[set[int]]) -> None:
+    """execute(command, cores) -> exit status, called by one thread per core set."""
+    def lane(cores):
+      while (command := self.take()) is not None:
+        print(f"$ {' '.join(command)} (core {','.join(map(str, sorted(cores)))})", flush=True)
+        returncode = 1
+        try:
+          returncode = execute(command, cores)
+        finally:
+          self.finish(command, returncode)
+    threads = [threading.Thread(target=lane, args=(cores,)) for cores in core_sets]
+    for thread in threads:
+      thread.start()
+    for thread in threads:
+      thread.join()
 
 
 def read_records(directory: pathlib.Path) -> list[dict]:
@@ -201,7 +285,7 @@ def next_commands(single: list[dict], root: pathlib.Path) -> list[list[str]]:
   multi, pilot = (root.with_name(root.name + suffix) for suffix in ("_multi_exit", "_pilot"))
   stage1, later = [], []
   for task, chosen in choices(single).items():
-    cmd = lambda *a, **k: grid_command(*a, parallel=PARALLEL, **k)
+    cmd = lambda *a, **k: grid_command(*a, parallel=1, **k)
     stage1.append(cmd(select, SINGLE_RECORDS, task, ["ce"], [SELECTION_SEED],
                       {"learning_rate": LEARNING_RATES}))
     if chosen["ce"] is None:

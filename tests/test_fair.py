@@ -1,10 +1,13 @@
 """experiments/fair.py and fair_report.py: the fair comparison's choices, next commands, tables
 and answers, from records written here as run_grid keeps them (config.json, eval_results.json)."""
 
+import collections
 import json
 import math
+import os
 import pathlib
 import subprocess
+import threading
 
 import numpy as np
 import pytest
@@ -325,3 +328,81 @@ def test_the_multi_exit_answer_once_every_cell_is_in(tmp_path):
   assert evidence[-1].startswith("Gate ablation, RTE ACL-CL exits' average: per-exit "
                                  "0.6100 ± 0.0100, global 0.5100 ± 0.0100; per-exit − global "
                                  "+0.1000")
+
+
+class Script:
+  """execute() for fair.Lanes: each call blocks until the test releases its command, and the
+  test can wait until a given number of calls have started."""
+
+  def __init__(self, codes=None):
+    self.codes = codes or {}
+    self.started, self.release = [], collections.defaultdict(threading.Event)
+    self.running = collections.Counter()
+    self.lock = threading.Condition()
+
+  def __call__(self, command, cores):
+    with self.lock:
+      self.running[command] += 1
+      self.started.append((command, frozenset(cores), dict(self.running)))
+      self.lock.notify_all()
+    assert self.release[command].wait(10), f"{command} never released"
+    with self.lock:
+      self.running[command] -= 1
+    return self.codes.get(command, 0)
+
+  def wait_started(self, n):
+    with self.lock:
+      assert self.lock.wait_for(lambda: len(self.started) >= n, 10), self.started
+
+
+def start_lanes(lanes, script):
+  thread = threading.Thread(target=lanes.run, args=(script, [{0}, {1}]))
+  thread.start()
+  return thread
+
+
+def test_lanes_take_new_commands_as_the_plan_grows_and_join_rather_than_idle():
+  a, b, c = ("a",), ("b",), ("c",)
+  plans = iter([[a, b, c]] * 5)  # the plan after a finishes: c appears
+  lanes, script = fair.Lanes([a, b], lambda: next(plans)), Script()
+  thread = start_lanes(lanes, script)
+  script.wait_started(2)
+  assert {s[0] for s in script.started} == {a, b}
+  script.release[a].set()
+  script.wait_started(3)
+  assert script.started[2][0] == c  # the lane a freed takes the new command
+  script.release[b].set()
+  script.wait_started(4)
+  # Nothing new: b's lane joins c (a second worker on its study) while c still runs.
+  command, cores, running = script.started[3]
+  assert command == c and running[c] == 2 and cores != script.started[2][1]
+  script.release[c].set()
+  thread.join(10)
+  assert not thread.is_alive() and [s[0] for s in script.started[2:]] == [c, c]
+  assert lanes.failed == [] and lanes.stopped is None
+
+
+def test_a_stopped_run_stops_every_lane_and_a_failed_one_only_its_command():
+  a, b, c = ("a",), ("b",), ("c",)
+  lanes = fair.Lanes([a, b, c], lambda: [a, b, c])
+  script = Script(codes={a: 1, b: fair.PREEMPTED})
+  thread = start_lanes(lanes, script)
+  script.wait_started(2)
+  script.release[a].set()  # a fails: its lane goes on to c
+  script.wait_started(3)
+  assert script.started[2][0] == c and lanes.failed == [a]
+  script.release[b].set()  # b is stopped by a signal: nothing more is taken
+  with lanes.changed:
+    assert lanes.changed.wait_for(lambda: lanes.stopped is not None, 10)
+  script.release[c].set()
+  thread.join(10)
+  assert not thread.is_alive() and lanes.stopped == fair.PREEMPTED
+  assert len(script.started) == 3  # c was not joined after the stop
+
+
+def test_a_lane_runs_its_command_on_its_own_core_with_xla_threads_to_match(tmp_path):
+  core = max(os.sched_getaffinity(0))
+  check = ("import os, sys; sys.exit(0 if os.sched_getaffinity(0) == {%d} and "
+           "'--xla_cpu_multi_thread_eigen=false' in os.environ['XLA_FLAGS'] else 3)" % core)
+  assert fair.run_pinned(["-c", check], {core}, tmp_path, set()) == 0
+  assert fair.run_pinned(["-c", "import sys; sys.exit(5)"], {core}, tmp_path, set()) == 5
