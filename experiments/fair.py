@@ -267,10 +267,12 @@ def describe_choices(single: list[dict]) -> str:
 
 def grid_command(root: pathlib.Path, records: pathlib.Path, task: str, objectives, seeds,
                  grid: dict[str, tuple], parallel: int, preset: str = PRESET,
-                 early_exit: bool = False) -> list[str]:
+                 early_exit: bool = False, study: str | None = None) -> list[str]:
   command = ["experiments/run_grid.py", "--root", str(root), "--records",
              str(records), "--tasks", task, "--objectives", ",".join(objectives), "--seeds",
              ",".join(map(str, seeds)), "--preset", preset, "--parallel", str(parallel)]
+  if study is not None:
+    command += ["--study", study]
   for field, values in grid.items():
     command += ["--grid", f"{field}=" + ",".join(map(str, values))]
   return command + (["--early_exit", "--early_exit_examples", str(TIMED_EXAMPLES)]
@@ -311,8 +313,10 @@ def next_commands(single: list[dict], root: pathlib.Path) -> list[list[str]]:
     later.append(cmd(pilot, PILOT_RECORDS, task, ["acl_embed"], [SELECTION_SEED], acl,
                      preset=PILOT_PRESET))
     if task == ABLATION_TASK:
+      # Its own study: it has one more axis than the per-exit ACL-CL runs in the same root.
       later.append(cmd(multi, MULTI_RECORDS, task, ["acl_cl"], REPORT_SEEDS,
-                       {**acl, "gate_granularity": ("global",)}, **me))
+                       {**acl, "gate_granularity": ("global",)}, **me,
+                       study=multi.name + "_global_gate"))
   return stage1 + later
 
 

@@ -19,10 +19,12 @@ Each (task, objective) is one study, `<study>/<task>/<objective>` (--study, defa
 name), because its trials share one dev metric: the trial's value is the run's main dev metric
 (eval_results.json's main_metric, the exits' average for a multi-exit model; --value final or
 best), maximized. The seed and the --grid fields are the study's parameters, over Optuna's
-GridSampler; the workdir, command, record and metric are user attributes. The studies live in
-`--storage` (default sqlite:///<root>/study.db); any Optuna storage URL (postgresql://,
-mysql://, sqlite:///shared/path.db) or a journal file path lets workers on several machines
-share them: run the same command with the same --storage on each.
+GridSampler; the workdir, command, record and metric are user attributes. A study is one
+search space: later commands may add seeds or values, but one over other --grid axes (say, one
+more fixed axis such as gate_granularity=global) is refused until given its own --study. The
+studies live in `--storage` (default sqlite:///<root>/study.db); any Optuna storage URL
+(postgresql://, mysql://, sqlite:///shared/path.db) or a journal file path lets workers on
+several machines share them: run the same command with the same --storage on each.
 
 A worker first queues every point that no trial has done or holds (Optuna's WAITING trials),
 then takes queued trials one at a time (the storage hands each WAITING trial to one worker
@@ -327,6 +329,7 @@ def queue_points(storage, cell: Cell, args, *, dry_run: bool
     if not dry_run:
       optuna.storages.fail_stale_trials(study)  # a dead worker's trial is queued again first
     trials = study.get_trials(deepcopy=False)
+  check_search_space(cell, trials)
   plan = []
   for point in cell.points:
     same = [t for t in trials if trial_point(t) == point.params]
@@ -349,6 +352,21 @@ def queue_points(storage, cell: Cell, args, *, dry_run: bool
           system_attrs={"fixed_params": point.params,
                         QUEUED_AFTER: max((t.number for t in same), default=-1)}))
   return plan
+
+
+def check_search_space(cell: Cell, trials: list[optuna.trial.FrozenTrial]) -> None:
+  """One study is one search space: refuse a command whose grid axes differ from those of the
+  trials in its study. A worker takes any queued trial of its study, and one queued without an
+  axis of its grid would run at this command's value of that axis (e.g. a default-gate point
+  trained with --grid gate_granularity=global)."""
+  axes = set(cell.distributions)
+  others = sorted({tuple(sorted(point)) for point in map(trial_point, trials)
+                   if point and set(point) != axes})
+  if others:
+    raise SystemExit(
+        f"study {cell.study_name!r} holds trials over {' and '.join(map(', '.join, others))}, "
+        f"but this command's grid is over {', '.join(sorted(axes))}: give one of the two "
+        "commands its own --study (or --storage)")
 
 
 class RunFailed(Exception):
@@ -409,7 +427,9 @@ class Grid:
     held[0] = False  # popped: the next worker may look at the queue
     self.popping.release()
     queued = trial.study.get_trials(deepcopy=False)[trial.number]
-    if set(trial_point(queued)) - set(cell.distributions):
+    if trial_point(queued) and set(trial_point(queued)) != set(cell.distributions):
+      # Queued by a command over other axes that started with this one (each checked the
+      # study before the other queued): running it here would fill in or drop an axis.
       raise optuna.TrialPruned(f"trial {trial.number} was queued with {trial_point(queued)} by "
                                "a command with other --grid axes; run that command again")
     params = {name: suggest(trial, name, dist) for name, dist in cell.distributions.items()}

@@ -1,6 +1,7 @@
 """experiments/fair.py and fair_report.py: the fair comparison's choices, next commands, tables
 and answers, from records written here as run_grid keeps them (config.json, eval_results.json)."""
 
+import argparse
 import collections
 import json
 import math
@@ -15,6 +16,7 @@ from scipy import stats
 
 import fair
 import fair_report
+import run_grid
 
 COMMIT, MACHINE = "5eb4784f7ffe", "AMD EPYC, 2 cores"  # as acl_jax.host.machine() writes it
 
@@ -90,10 +92,30 @@ def test_each_stage_is_planned_once_the_choices_it_needs_are_made(tmp_path):
   deebert = next(c for c in rte if "--objectives deebert" in c)
   assert "pooler_weights=per_exit" in deebert and "--early_exit --early_exit_examples 128" in deebert
   ablation = next(c for c in rte if "gate_granularity=global" in c)
-  assert "--objectives acl_cl" in ablation and "fair_1_multi_exit" in ablation
+  assert ("--objectives acl_cl" in ablation and "fair_1_multi_exit" in ablation
+          and "--study fair_1_multi_exit_global_gate" in ablation)
   pilot = [c for c in rte if "measure_conflict,log_every=1" in c]
   assert len(pilot) == 2 and all("fair_1_pilot" in c and "--seeds 0 " in c for c in pilot)
   assert "--objectives scl" in pilot[0] and "--grid aux_weight=0.3 --grid temperature=0.1" in pilot[0]
+
+
+def test_no_two_commands_share_a_study_over_other_axes(tmp_path):
+  """run_grid refuses a command whose --grid axes differ from its study's trials (a worker would
+  run the other command's queued points at its own values): the plan never asks for that."""
+  selection(tmp_path, "rte", scl={(0.3, 0.1): 0.8}, acl={(0.9, 0.5): 0.9})
+  studies = {}
+  for command in fair.next_commands(fair.read_records(tmp_path), tmp_path / "fair_1"):
+    flags = {"study": None, "grid": []}
+    for flag, value in zip(command, command[1:]):
+      if flag == "--grid":
+        flags["grid"].append(value)
+      elif flag in ("--root", "--tasks", "--objectives", "--seeds", "--preset", "--study"):
+        flags[flag[2:]] = value
+    root = pathlib.Path(flags.pop("root"))
+    for cell in run_grid.make_cells(argparse.Namespace(**flags), root):
+      axes = studies.setdefault((root, cell.study_name), set(cell.distributions))
+      assert axes == set(cell.distributions), (cell.study_name, " ".join(command))
+  assert (tmp_path / "fair_1_multi_exit", "fair_1_multi_exit_global_gate/rte/acl_cl") in studies
 
 
 def test_the_single_exit_table_compares_each_objective_with_ce(tmp_path):

@@ -201,3 +201,39 @@ def test_early_exit_sweeps_a_multi_exit_run_before_recording_it(tiny_bert_dir, g
   proc, out = run(fresh + ["--dry_run"], grid_env)
   assert "0 runs to do" in out and "cannot sweep rte_ce_s0" in out, out
   assert not (tmp_path / "fresh").exists()  # a dry run writes nothing
+
+
+def test_a_study_is_one_search_space(tmp_path):
+  """A command over other --grid axes than its study's trials is refused, and a trial queued by
+  such a command (both looked before either queued) is closed unrun: run by the other command,
+  it would train at that command's value of an axis it was queued without."""
+  storage = run_grid.open_storage(f"sqlite:///{tmp_path / 'study.db'}", heartbeat=60)
+  common = dict(objectives="acl_cl", preset="model=minilm,multi_exit", records=None,
+                early_exit=False)
+  per_exit_args = grid_args(grid=["lambda=0.5"], **common)
+  global_args = grid_args(grid=["lambda=0.5", "gate_granularity=global"], **common)
+  (per_exit,) = run_grid.make_cells(per_exit_args, tmp_path)
+  (global_gate,) = run_grid.make_cells(global_args, tmp_path)
+  assert per_exit.study_name == global_gate.study_name  # the same root and no --study
+  run_grid.queue_points(storage, per_exit, per_exit_args, dry_run=False)
+  for dry_run in (True, False):
+    with pytest.raises(SystemExit, match=(
+        rf"study '{tmp_path.name}/rte/acl_cl' holds trials over aux_weight, seed, but this "
+        "command's grid is over aux_weight, gate_granularity, seed: give one of the two "
+        "commands its own --study")):
+      run_grid.queue_points(storage, global_gate, global_args, dry_run=dry_run)
+
+  grid = run_grid.Grid(global_args, storage, [global_gate], total=0)
+  grid.take_trials(cores=None)
+  (trial,) = optuna.load_study(study_name=per_exit.study_name, storage=storage).trials
+  assert trial.state == optuna.trial.TrialState.PRUNED and grid.started == 0
+  assert not global_gate.points[0].workdir.exists()
+  assert trial.system_attrs["fixed_params"] == per_exit.points[0].params
+
+  # With its own --study, the other command queues its point beside the first study.
+  own_args = argparse.Namespace(**{**vars(global_args), "study": "global_gate"})
+  (own,) = run_grid.make_cells(own_args, tmp_path)
+  ((point, commands),) = run_grid.queue_points(storage, own, own_args, dry_run=False)
+  assert own.study_name == "global_gate/rte/acl_cl"
+  assert point.params == {"seed": 0, "aux_weight": 0.5, "gate_granularity": "global"}
+  assert commands and "gate_granularity=global" in commands[0][3]
