@@ -368,7 +368,8 @@ def answer_multi_exit(multi: list[dict], single: list[dict]) -> tuple[str, list[
 
 CLAIMS = (("ACL against CE and CE+SCL", lambda s, m: answer_single_exit(s)),
           ("ACL-Grad's contribution over ACL-Embed", lambda s, m: answer_gate(s)),
-          ("ACL-CL, the shallow exits and the quality-speed trade-off", answer_multi_exit))
+          ("ACL-CL, the shallow exits and the quality-speed trade-off",
+           lambda s, m: answer_multi_exit(m, s)))
 
 
 def answers(single: list[dict], multi: list[dict]) -> str:

@@ -350,6 +350,11 @@ def test_the_multi_exit_answer_once_every_cell_is_in(tmp_path):
   assert evidence[-1].startswith("Gate ablation, RTE ACL-CL exits' average: per-exit "
                                  "0.6100 ± 0.0100, global 0.5100 ± 0.0100; per-exit − global "
                                  "+0.1000")
+  # The notebooks' paths to it: the results notebook's paragraphs and the README's summary.
+  assert (f"**ACL-CL, the shallow exits and the quality-speed trade-off.** {verdict}\n- "
+          + "\n- ".join(evidence)) in fair_report.answers(single, multi)
+  assert fair_report.summary(single, multi).endswith(
+      f"- **ACL-CL, the shallow exits and the quality-speed trade-off.** {verdict}")
 
 
 class Script:
