@@ -2,7 +2,8 @@
 selection runs chose, the run_grid commands it still needs, and which runs each cell reports.
 
     git worktree add --detach ../fair1 5eb4784     # once: the code every run executes (fair-1)
-    python experiments/fair.py plan                # choices so far, then the commands to run
+    python experiments/fair.py plan                # choices so far, then the commands with
+                                                   # runs left, and how many
     python experiments/fair.py run --checkout ../fair1
     python experiments/fair.py tables              # fair_single_exit.{md,jsonl}, fair_multi_exit.{md,jsonl},
                                                    # fair_multi_exit_<task>.png, fair_pilot_<task>.{json,png}
@@ -25,8 +26,10 @@ The tables, figures and answers are computed in experiments/fair_report.py.
 
 A choice is the grid point with the best final-step dev main metric on seed 0, ties going to the
 point listed first; it is made only once every point of its grid has a record. The commands are
-run_grid's, so a point already in the records is never trained again; `run` plans again after
-each one, so the stages a finished grid unlocks run in the same invocation, and a command whose
+run_grid's, so a point already in the records is never trained again, and a command is planned
+while run_grid would still train or sweep one of its points (read from the records and run
+directories as run_grid reads them); `run` plans again after each command ends, so the stages
+a finished grid unlocks run in the same invocation, and a command whose
 runs failed does not hold up the others (it exits 1 at the end, naming them). `run` keeps LANES
 commands going at once, each a single run_grid worker pinned to its own core (class Lanes).
 """
@@ -34,6 +37,7 @@ commands going at once, each a single run_grid worker pinned to its own core (cl
 import argparse
 import collections
 import itertools
+import math
 import os
 import pathlib
 import signal
@@ -44,7 +48,8 @@ import threading
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT / "experiments"))
 
-import summarize  # noqa: E402  (experiments/ on the path first)
+import run_grid  # noqa: E402  (experiments/ on the path first)
+import summarize  # noqa: E402
 from acl_jax import host  # noqa: E402
 from acl_jax.preemption import EXIT_CODE as PREEMPTED  # noqa: E402  (run_grid's exit on SIGTERM)
 
@@ -99,12 +104,12 @@ def main(argv=None):
     return
   print(describe_choices(single))
   checkout = (args.checkout or REPO_ROOT).resolve()
-  commands = next_commands(single, args.root.resolve())
+  todo = to_do(next_commands(single, args.root.resolve()))
   if args.stage == "plan":
-    print(f"{len(commands)} run_grid commands (points already recorded are skipped; `run` "
-          f"keeps {LANES} going, each pinned to its own core):")
-    for command in commands:
-      print("  " + " ".join(command))
+    print(f"{sum(todo.values())} runs left, in {len(todo)} run_grid commands (`run` keeps "
+          f"{LANES} going, each pinned to its own core):")
+    for command, left in todo.items():
+      print(f"  [{left}] " + " ".join(command))
     return
   if args.checkout is None:
     raise SystemExit(f"run needs --checkout: a checkout of {TAG} ({PINNED_COMMIT[:7]}), whose "
@@ -112,8 +117,8 @@ def main(argv=None):
   check_pinned_commit(checkout)
   check_one_commit_and_machine(single + multi)
   check_this_machine(single + multi + read_records(PILOT_RECORDS), host.machine())
-  import run_grid  # experiments/, beside this script: how cores are split
-  lanes = Lanes(commands, lambda: next_commands(read_records(SINGLE_RECORDS), args.root.resolve()))
+  lanes = Lanes(todo, lambda: to_do(next_commands(read_records(SINGLE_RECORDS),
+                                                   args.root.resolve())))
   children: set[subprocess.Popen] = set()
   # A SIGTERM here goes on to the workers, which pass it to their runs (they save and exit 75).
   signal.signal(signal.SIGTERM, lambda *_: [c.send_signal(signal.SIGTERM) for c in set(children)])
@@ -131,7 +136,6 @@ def run_pinned(command: list[str], cores: set[int], cwd: pathlib.Path,
                children: set[subprocess.Popen]) -> int:
   """Runs `python <command>` in cwd pinned to `cores`, XLA's thread pool sized to match, and
   returns its exit status; the process is in `children` while it runs."""
-  import run_grid  # experiments/, beside this script: XLA's thread flag
   flags = " ".join(filter(None, [os.environ.get("XLA_FLAGS"),
                                  run_grid.xla_thread_flags(len(cores))]))
   # run_grid --parallel 1 pins nothing itself: its worker and runs inherit these cores.
@@ -148,18 +152,23 @@ def run_pinned(command: list[str], cores: set[int], cwd: pathlib.Path,
 class Lanes:
   """Hands run_grid commands to lanes, one core each.
 
-  A lane takes the first command of the latest plan that no lane has taken: the records a
-  command adds can make choices, and with them the next stages' commands (a grid finished at
-  noon starts its report runs the same afternoon). With none left, it joins a command that one
-  other lane runs, as a second worker on that command's Optuna study; with none of those, it
-  waits for a lane to finish and the plan to be made again. A run stopped by a signal (exit 75,
-  or killed) stops every lane from taking more; a failed run does not hold up other commands.
+  The plan maps each command with runs left to how many (to_do). A lane takes the first
+  command of the latest plan that no lane runs and no lane has taken, or that has fewer runs
+  left than when a lane last took it (its worker ended early, say because another command's
+  worker held its trials, yet it moves on: taken again, it ends, since each take needs
+  progress). The records a command adds can make choices, and with them the next stages'
+  commands (a grid finished at noon starts its report runs the same afternoon). With none to
+  take, a lane joins a command that one other lane runs, as a second worker on that command's
+  Optuna study; with none of those, it waits for a lane to finish and the plan to be made
+  again. A run stopped by a signal (exit 75, or killed) stops every lane from taking more; a
+  failed run does not hold up other commands, and its command is not taken again.
   """
 
-  def __init__(self, commands: list[list[str]], replan):
-    self.commands, self.replan = [tuple(c) for c in commands], replan
+  def __init__(self, plan: dict[tuple[str, ...], int], replan):
+    self.plan, self.replan = plan, replan  # command -> runs left; () -> the next plan
     self.changed = threading.Condition()
-    self.taken, self.joined = set(), set()  # taken fresh / joined by a second lane
+    self.taken: dict[tuple[str, ...], int] = {}  # command -> runs left when last taken fresh
+    self.joined = set()  # commands a second lane has joined
     self.workers = collections.Counter()  # command -> lanes running it now
     self.failed: list[tuple[str, ...]] = []
     self.stopped: int | None = None  # the exit status that stopped the lanes
@@ -167,11 +176,18 @@ class Lanes:
   def take(self) -> tuple[str, ...] | None:
     with self.changed:
       while self.stopped is None:
-        fresh = [c for c in self.commands if c not in self.taken]
+        fresh = [c for c, left in self.plan.items()
+                 if not self.workers[c] and c not in self.failed
+                 and left < self.taken.get(c, math.inf)]
         alone = [c for c, n in self.workers.items() if n == 1 and c not in self.joined]
+        if fresh:
+          command = fresh[0]
+          self.taken[command] = self.plan[command]
+          self.joined.discard(command)  # a new worker: a second lane may join it again
+        elif alone:
+          command = alone[0]
+          self.joined.add(command)
         if fresh or alone:
-          command = fresh[0] if fresh else alone[0]
-          (self.taken if fresh else self.joined).add(command)
           self.workers[command] += 1
           return command
         if not self.workers:  # nothing runs, so nothing can plan more
@@ -188,7 +204,7 @@ class Lanes:
         self.stopped = returncode
       elif returncode and command not in self.failed:  # its cell waits; the others go on
         self.failed.append(command)
-      self.commands = [tuple(c) for c in self.replan()]
+      self.plan = self.replan()
       self.changed.notify_all()
 
   def run(self, execute, core_sets: list[set[int]]) -> None:
@@ -206,6 +222,20 @@ class Lanes:
       thread.start()
     for thread in threads:
       thread.join()
+
+
+def to_do(commands: list[list[str]]) -> dict[tuple[str, ...], int]:
+  """The commands that have runs left, each with how many, in the order given."""
+  left = {tuple(command): runs_left(command) for command in commands}
+  return {command: n for command, n in left.items() if n}
+
+
+def runs_left(command: list[str]) -> int:
+  """The points a run_grid command would still train or sweep, read from their run directories
+  and records as run_grid reads them (it skips the rest)."""
+  args = run_grid.parse_args(command[1:])
+  cells = run_grid.make_cells(args, args.root.resolve())
+  return sum(bool(run_grid.pending(point, args)) for cell in cells for point in cell.points)
 
 
 def read_records(directory: pathlib.Path) -> list[dict]:

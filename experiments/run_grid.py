@@ -107,6 +107,49 @@ class Cell:
 
 
 def main():
+  args = parse_args()
+  if args.heartbeat < 1:
+    raise SystemExit(f"--heartbeat {args.heartbeat}: must be a positive number of seconds")
+
+  optuna.logging.set_verbosity(optuna.logging.WARNING)  # our own progress lines say the rest
+  # The heartbeat and its retry callback are marked experimental; they are what we rely on.
+  warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+  root = args.root.resolve()
+  cells = make_cells(args, root)
+  if args.storage is None and not (root / "study.db").exists() and (args.dry_run or args.report):
+    storage = None  # nothing recorded yet, and reading creates no database
+  else:
+    root.mkdir(parents=True, exist_ok=True)
+    storage = open_storage(args.storage or f"sqlite:///{root / 'study.db'}", args.heartbeat)
+  if args.report:
+    report(storage, cells, int(args.seeds.split(",")[0]))
+    return
+  # A dry run only reads the studies; otherwise every point that needs a trial is queued.
+  plans = [queue_points(storage, cell, args, dry_run=args.dry_run) for cell in cells]
+  todo = [(point, commands) for plan in plans for point, commands in plan if commands]
+  print(f"{len(todo)} runs to do under {root}", flush=True)
+  if args.dry_run:
+    for i, (_, commands) in enumerate(todo, 1):
+      print(f"[{i}/{len(todo)}] {describe(commands)}", flush=True)
+    return
+  grid = Grid(args, storage, cells, len(todo))
+  signal.signal(signal.SIGTERM, grid.stop_on_signal)
+  signal.signal(signal.SIGINT, grid.stop_on_signal)
+  threads = [threading.Thread(target=grid.work, args=(cores,))
+             for cores in core_groups(args.parallel)]
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join()
+  if grid.stopping.is_set():
+    sys.exit(PREEMPTED)
+  if grid.failed:
+    sys.exit(1)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+  """The command line (sys.argv when argv is None); experiments/fair.py reads its commands
+  with it."""
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--root", type=pathlib.Path, required=True)
   parser.add_argument("--tasks", default="rte")
@@ -145,44 +188,7 @@ def main():
                       help="runs at once, each pinned to its share of the cores with XLA's "
                       "threads to match (2 on a 2-core CPU: about 1.2x the throughput of one "
                       "run on both cores, and compiles overlap)")
-  args = parser.parse_args()
-  if args.heartbeat < 1:
-    raise SystemExit(f"--heartbeat {args.heartbeat}: must be a positive number of seconds")
-
-  optuna.logging.set_verbosity(optuna.logging.WARNING)  # our own progress lines say the rest
-  # The heartbeat and its retry callback are marked experimental; they are what we rely on.
-  warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
-  root = args.root.resolve()
-  cells = make_cells(args, root)
-  if args.storage is None and not (root / "study.db").exists() and (args.dry_run or args.report):
-    storage = None  # nothing recorded yet, and reading creates no database
-  else:
-    root.mkdir(parents=True, exist_ok=True)
-    storage = open_storage(args.storage or f"sqlite:///{root / 'study.db'}", args.heartbeat)
-  if args.report:
-    report(storage, cells, int(args.seeds.split(",")[0]))
-    return
-  # A dry run only reads the studies; otherwise every point that needs a trial is queued.
-  plans = [queue_points(storage, cell, args, dry_run=args.dry_run) for cell in cells]
-  todo = [(point, commands) for plan in plans for point, commands in plan if commands]
-  print(f"{len(todo)} runs to do under {root}", flush=True)
-  if args.dry_run:
-    for i, (_, commands) in enumerate(todo, 1):
-      print(f"[{i}/{len(todo)}] {describe(commands)}", flush=True)
-    return
-  grid = Grid(args, storage, cells, len(todo))
-  signal.signal(signal.SIGTERM, grid.stop_on_signal)
-  signal.signal(signal.SIGINT, grid.stop_on_signal)
-  threads = [threading.Thread(target=grid.work, args=(cores,))
-             for cores in core_groups(args.parallel)]
-  for thread in threads:
-    thread.start()
-  for thread in threads:
-    thread.join()
-  if grid.stopping.is_set():
-    sys.exit(PREEMPTED)
-  if grid.failed:
-    sys.exit(1)
+  return parser.parse_args(argv)
 
 
 def make_cells(args, root: pathlib.Path) -> list[Cell]:

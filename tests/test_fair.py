@@ -390,8 +390,8 @@ def start_lanes(lanes, script):
 
 def test_lanes_take_new_commands_as_the_plan_grows_and_join_rather_than_idle():
   a, b, c = ("a",), ("b",), ("c",)
-  plans = iter([[a, b, c]] * 5)  # the plan after a finishes: c appears
-  lanes, script = fair.Lanes([a, b], lambda: next(plans)), Script()
+  plans = iter([{a: 1, b: 1, c: 1}] * 5)  # the plan after a finishes: c appears
+  lanes, script = fair.Lanes({a: 1, b: 1}, lambda: next(plans)), Script()
   thread = start_lanes(lanes, script)
   script.wait_started(2)
   assert {s[0] for s in script.started} == {a, b}
@@ -411,7 +411,7 @@ def test_lanes_take_new_commands_as_the_plan_grows_and_join_rather_than_idle():
 
 def test_a_stopped_run_stops_every_lane_and_a_failed_one_only_its_command():
   a, b, c = ("a",), ("b",), ("c",)
-  lanes = fair.Lanes([a, b, c], lambda: [a, b, c])
+  lanes = fair.Lanes({a: 1, b: 1, c: 1}, lambda: {a: 1, b: 1, c: 1})
   script = Script(codes={a: 1, b: fair.PREEMPTED})
   thread = start_lanes(lanes, script)
   script.wait_started(2)
@@ -425,6 +425,45 @@ def test_a_stopped_run_stops_every_lane_and_a_failed_one_only_its_command():
   thread.join(10)
   assert not thread.is_alive() and lanes.stopped == fair.PREEMPTED
   assert len(script.started) == 3  # c was not joined after the stop
+
+
+def test_a_command_that_ends_with_runs_left_is_taken_again_while_it_moves_on():
+  """A worker can end with points left (another command's worker held them): its command is
+  taken again as long as each take leaves fewer runs, so a command stuck on its points ends."""
+  a, b = ("a",), ("b",)
+  # a: 3 left; after its first take 1 (progress: again), after its second still 1 (no more).
+  plans = iter([{a: 1, b: 1}, {a: 1, b: 1}, {a: 1}])
+  lanes, script = fair.Lanes({a: 3, b: 1}, lambda: next(plans)), Script()
+  script.release[a].set()
+  script.release[b].set()
+  thread = threading.Thread(target=lanes.run, args=(script, [{0}]))  # one lane: no joining
+  thread.start()
+  thread.join(10)
+  assert not thread.is_alive() and [s[0] for s in script.started] == [a, a, b]
+  assert lanes.failed == [] and lanes.stopped is None
+
+
+def test_a_command_is_planned_while_run_grid_would_still_run_one_of_its_points(tmp_path):
+  """fair.runs_left reads the run directories and records as run_grid names them (documented in
+  run_grid's docstring: <task>_<objective>_s<seed>[_<field>=<value>...])."""
+  records = tmp_path / "records"
+  command = fair.grid_command(tmp_path / "fair_1_multi_exit", records, "rte", ["ce", "kd"],
+                              [1, 2], {"learning_rate": (1e-4,)}, parallel=1,
+                              preset=fair.MULTI_EXIT_PRESET, early_exit=True)
+  assert fair.runs_left(command) == 4
+  names = [f"rte_{o}_s{s}_learning_rate=0.0001" for o in ("ce", "kd") for s in (1, 2)]
+  for name in names[:2]:  # trained and swept: done
+    (records / name).mkdir(parents=True)
+    (records / name / "eval_results.json").write_text("{}")
+    (records / name / "early_exit.json").write_text("{}")
+  # Trained, its sweep missing but its checkpoints there: run_grid sweeps it, so it is left.
+  trained = tmp_path / "fair_1_multi_exit" / names[2]
+  (trained / "checkpoints").mkdir(parents=True)
+  (trained / "eval_results.json").write_text("{}")
+  assert fair.runs_left(command) == 2
+  (trained / "early_exit.json").write_text("{}")
+  assert fair.runs_left(command) == 1
+  assert fair.to_do([command, command[:-3]]) == {tuple(command): 1, tuple(command[:-3]): 1}
 
 
 def test_a_lane_runs_its_command_on_its_own_core_with_xla_threads_to_match(tmp_path):
