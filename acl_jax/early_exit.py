@@ -641,8 +641,9 @@ def run_on_workdir(workdir, *, which: str = "latest", max_examples: int | None =
   result = sweep(run, max_examples=max_examples, measure=measure, log=log)
   result["params"] = which
   result["meta"] = host.run_metadata()
-  run_dir.write_json(run.workdir / run_dir.EARLY_EXIT_FILE, result)
+  # The figure first: the JSON's presence is what marks the run as swept (run_grid).
   plot([result], run.workdir / run_dir.EARLY_EXIT_PLOT)
+  run_dir.write_json(run.workdir / run_dir.EARLY_EXIT_FILE, result)
   for name, rows in result["policies"].items():
     for row in rows:
       measured = (f", measured {row['measured_speedup_ratio']:.2f}x "

@@ -36,7 +36,8 @@ _MODE = flags.DEFINE_enum(
     "export: write <workdir>/hf_export, an HF BertForSequenceClassification directory; "
     "predict: write the task's GLUE test-set predictions in the benchmark's format, one TSV "
     "per benchmark file (MNLI: MNLI-m, MNLI-mm and AX), into --submission_dir and zip that "
-    "directory's TSVs into <submission_dir>.zip, the file to upload.")
+    "directory's TSVs into <submission_dir>.zip, the file to upload. early_exit, export and "
+    f"predict stop at once on SIGTERM with exit code {preemption.EXIT_CODE}: rerun to redo them.")
 _PARAMS = flags.DEFINE_enum("params", "latest", ["latest", "best"],
                             "early_exit, export, predict: the final (latest) or the best-dev "
                             "params.")
@@ -83,7 +84,8 @@ def main(argv):
       sys.exit(preemption.EXIT_CODE)  # the loop has saved and said so
     return
   # The run directory's config.json says what was trained; --config is not needed.
-  with run_dir.logging_to(run_dir.resolve(_WORKDIR.value)):
+  with (run_dir.logging_to(run_dir.resolve(_WORKDIR.value)),
+        preemption.exit_on_sigterm(f"--mode={_MODE.value}")):
     if _MODE.value == "early_exit":
       early_exit.run_on_workdir(_WORKDIR.value, which=_PARAMS.value,
                                 max_examples=_MAX_EXAMPLES.value, log=print)

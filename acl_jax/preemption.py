@@ -36,6 +36,29 @@ class Preempted(Exception):
     self.checkpoint = checkpoint
 
 
+@contextlib.contextmanager
+def exit_on_sigterm(what: str) -> Iterator[None]:
+  """For work that keeps nothing on the way (an early-exit sweep, an export, predictions): a
+  SIGTERM stops it at once with EXIT_CODE, which run_grid and schedulers read as a stop to run
+  again, where the signal's default would read as a failure (exit -15). Its outputs are
+  written whole at the end (run_dir.write_json), so none is left half-written."""
+  if threading.current_thread() is not threading.main_thread():
+    yield  # Python delivers signals to the main thread only
+    return
+
+  def handle(signum, frame):
+    del frame
+    sys.stderr.write(f"\n{signal.Signals(signum).name}: stopped {what}; rerun the same command "
+                     "to do it again\n")
+    sys.exit(EXIT_CODE)
+
+  previous = signal.signal(signal.SIGTERM, handle)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+
+
 class StopRequests:
   """Whether a stop was requested, and at which step every process stops.
 

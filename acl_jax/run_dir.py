@@ -123,7 +123,18 @@ def read_json(path: epath.PathLike) -> dict[str, Any]:
 
 
 def write_json(path: epath.PathLike, content: dict[str, Any]) -> None:
-  epath.Path(path).write_text(json.dumps(content, indent=2, default=str) + "\n")
+  """Writes `content` as JSON, whole or not at all: a run whose eval_results.json (or sweep
+  whose early_exit.json) exists counts as done, so a kill mid-write must not leave part of one.
+  A local file is written beside its place and renamed there; an object (gs://...) is
+  replaced whole by the store."""
+  path = epath.Path(path)
+  text = json.dumps(content, indent=2, default=str) + "\n"
+  if not is_local(path):
+    path.write_text(text)
+    return
+  partial = path.with_name(f".{path.name}.partial")
+  partial.write_text(text)
+  os.replace(partial, path)
 
 
 def is_local(path: epath.PathLike) -> bool:

@@ -102,6 +102,29 @@ def test_sigterm_saves_the_current_step_and_the_rerun_matches_an_uninterrupted_r
   assert values(res_rows) == values(ref_rows)
 
 
+def test_sigterm_stops_an_early_exit_sweep_with_the_retry_code_and_writes_nothing(
+    tiny_bert_dir, glue_dir, tmp_path):
+  """A sweep saves nothing on the way: a SIGTERM stops it at once, with exit 75 (run_grid's
+  "stopped, rerun"), not as a run killed by a signal (-15, which run_grid counts as failed)."""
+  workdir = tmp_path / "run"
+  train.train_and_evaluate(tiny_run_config(tiny_bert_dir, glue_dir,
+                                           "rte,multi_exit,objective=ce,max_steps=2"), workdir)
+  proc = subprocess.Popen([sys.executable, "-m", "acl_jax.main", "--mode=early_exit",
+                           f"--workdir={workdir}"], cwd=REPO_ROOT,
+                          env=_env(glue_dir, tmp_path / "cache"), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  # Timing every dev example at every threshold takes far longer than the test waits.
+  for line in proc.stdout:
+    if line.startswith("measuring batch-1 latency"):
+      proc.send_signal(signal.SIGTERM)
+      break
+  _, stderr = proc.communicate(timeout=120)
+  assert proc.returncode == preemption.EXIT_CODE, stderr[-3000:]
+  assert "SIGTERM: stopped --mode=early_exit; rerun the same command to do it again" in stderr
+  assert not (workdir / run_dir.EARLY_EXIT_FILE).exists()
+  assert not (workdir / run_dir.EARLY_EXIT_PLOT).exists()
+
+
 def test_ctrl_c_requests_a_stop_and_a_second_one_stops_at_once():
   """In process: the first SIGINT is a request the loop sees at its next step; the second
   raises KeyboardInterrupt; leaving the block puts the previous handlers back."""

@@ -11,6 +11,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from etils import epath
 
 from acl_jax import config as config_lib
 from acl_jax import data
@@ -175,6 +176,28 @@ def test_a_diverging_run_stops_naming_step_and_term_and_keeps_its_last_good_chec
       saved[good_step])
   params, step = run_dir.load_params(tmp_path / "run")
   assert step == good_step and run_dir.all_finite(params)
+
+
+def test_a_json_file_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
+  """A kill while eval_results.json (or early_exit.json) is being written must not leave part
+  of it: its presence marks a run as done."""
+  path = tmp_path / run_dir.EVAL_RESULTS_FILE
+  run_dir.write_json(path, {"final": {"step": 1}})
+  before = path.read_text()
+
+  def killed_halfway(self, text, *args, **kwargs):
+    with open(os.fspath(self), "w") as f:
+      f.write(text[:len(text) // 2])
+    raise KeyboardInterrupt  # the process dies with half the text written
+
+  monkeypatch.setattr(type(epath.Path(path)), "write_text", killed_halfway)
+  with pytest.raises(KeyboardInterrupt):
+    run_dir.write_json(path, {"final": {"step": 2, "validation": {"accuracy": 0.5}}})
+  assert path.read_text() == before and json.loads(before) == {"final": {"step": 1}}
+  monkeypatch.undo()
+  run_dir.write_json(path, {"final": {"step": 2}})  # the next write replaces it
+  assert json.loads(path.read_text()) == {"final": {"step": 2}}
+  assert [p.name for p in tmp_path.iterdir()] == [run_dir.EVAL_RESULTS_FILE]
 
 
 def test_saving_a_non_finite_state_is_refused(tmp_path):
