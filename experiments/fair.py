@@ -30,7 +30,8 @@ run_grid's, so a point already in the records is never trained again, and a comm
 while run_grid would still train or sweep one of its points (read from the records and run
 directories as run_grid reads them); `run` plans again after each command ends, so the stages
 a finished grid unlocks run in the same invocation, and a command whose
-runs failed does not hold up the others (it exits 1 at the end, naming them). `run` keeps LANES
+runs failed does not hold up the others (it exits 1 at the end, naming them). A run stopped by
+a signal stops every lane, and `run` exits 75 as run_grid does: rerun it to continue. `run` keeps LANES
 commands going at once, each a single run_grid worker pinned to its own core (class Lanes).
 """
 
@@ -114,7 +115,7 @@ def main(argv=None):
   if args.checkout is None:
     raise SystemExit(f"run needs --checkout: a checkout of {TAG} ({PINNED_COMMIT[:7]}), whose "
                      "code the runs execute")
-  check_pinned_commit(checkout)
+  check_pinned_commit(checkout, PINNED_COMMIT)
   check_one_commit_and_machine(single + multi)
   check_this_machine(single + multi + read_records(PILOT_RECORDS), host.machine())
   lanes = Lanes(todo, lambda: to_do(next_commands(read_records(SINGLE_RECORDS),
@@ -124,8 +125,10 @@ def main(argv=None):
   signal.signal(signal.SIGTERM, lambda *_: [c.send_signal(signal.SIGTERM) for c in set(children)])
   lanes.run(lambda command, cores: run_pinned(command, cores, checkout, children),
             run_grid.core_groups(LANES))
-  if lanes.stopped is not None:
-    raise SystemExit(f"run_grid stopped (exit {lanes.stopped}); rerun `fair.py run` to continue")
+  if lanes.stopped is not None:  # exit 75 as run_grid does: a stop to retry, not a failure
+    print(f"run_grid stopped (exit {lanes.stopped}); rerun `fair.py run` to continue",
+          file=sys.stderr)
+    sys.exit(PREEMPTED)
   if lanes.failed:
     raise SystemExit(f"{len(lanes.failed)} run_grid commands had failed runs (their logs "
                      "above); rerun `fair.py run` to retry them:\n"

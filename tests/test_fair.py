@@ -7,6 +7,7 @@ import json
 import math
 import os
 import pathlib
+import signal
 import subprocess
 import threading
 
@@ -210,6 +211,35 @@ def test_runs_execute_only_the_tagged_commit(tmp_path):
   git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "b")
   with pytest.raises(SystemExit, match=f"execute {fair.TAG}"):
     fair.check_pinned_commit(tmp_path, pinned)
+
+
+@pytest.mark.parametrize("run_grid_exit", [fair.PREEMPTED, 1])
+def test_run_exits_75_when_a_run_is_stopped_and_1_naming_the_commands_whose_runs_failed(
+    tmp_path, monkeypatch, run_grid_exit):
+  """`fair.py run` end to end, with a checkout whose run_grid.py exits as a stopped (75) or a
+  failed (1) command does."""
+  checkout = tmp_path / "checkout"
+  (checkout / "experiments").mkdir(parents=True)
+  (checkout / "experiments" / "run_grid.py").write_text(f"import sys\nsys.exit({run_grid_exit})\n")
+  git = lambda *a: subprocess.run(["git", "-C", str(checkout), *a], check=True,
+                                  capture_output=True, text=True).stdout.strip()
+  git("init", "-q")
+  git("add", ".")
+  git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "a")
+  monkeypatch.setattr(fair, "PINNED_COMMIT", git("rev-parse", "HEAD"))
+  for name in ("SINGLE_RECORDS", "MULTI_RECORDS", "PILOT_RECORDS"):  # none yet: any machine
+    monkeypatch.setattr(fair, name, tmp_path / name)
+  previous = signal.getsignal(signal.SIGTERM)  # main passes SIGTERM on to its children
+  try:
+    with pytest.raises(SystemExit) as stopped:
+      fair.main(["run", "--root", str(tmp_path / "fair_1"), "--checkout", str(checkout)])
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+  if run_grid_exit == fair.PREEMPTED:
+    assert stopped.value.code == fair.PREEMPTED
+  else:  # each of CE's three learning-rate commands ran and failed; the message names them
+    assert "3 run_grid commands had failed runs" in stopped.value.code
+    assert all(f"--tasks {task} " in stopped.value.code for task in fair.TASKS)
 
 
 def report(root, task, scores: dict[str, list[float]], *, scl_point=(0.3, 0.1),
