@@ -164,7 +164,9 @@ class Lanes:
   take, a lane joins a command that one other lane runs, as a second worker on that command's
   Optuna study; with none of those, it waits for a lane to finish and the plan to be made
   again. A run stopped by a signal (exit 75, or killed) stops every lane from taking more; a
-  failed run does not hold up other commands, and its command is not taken again.
+  failed run does not hold up other commands, and its command is not taken again. A plan that
+  cannot be made (a record that cannot be read, say) stops every lane from taking more, and
+  run() raises its error once the commands running then have ended.
   """
 
   def __init__(self, plan: dict[tuple[str, ...], int], replan):
@@ -175,10 +177,11 @@ class Lanes:
     self.workers = collections.Counter()  # command -> lanes running it now
     self.failed: list[tuple[str, ...]] = []
     self.stopped: int | None = None  # the exit status that stopped the lanes
+    self.error: Exception | None = None  # why the plan could not be made again
 
   def take(self) -> tuple[str, ...] | None:
     with self.changed:
-      while self.stopped is None:
+      while self.stopped is None and self.error is None:
         fresh = [c for c, left in self.plan.items()
                  if not self.workers[c] and c not in self.failed
                  and left < self.taken.get(c, math.inf)]
@@ -207,7 +210,10 @@ class Lanes:
         self.stopped = returncode
       elif returncode and command not in self.failed:  # its cell waits; the others go on
         self.failed.append(command)
-      self.plan = self.replan()
+      try:
+        self.plan = self.replan()
+      except Exception as error:  # raised by run(): a lane waiting for this plan must not hang
+        self.error = error
       self.changed.notify_all()
 
   def run(self, execute, core_sets: list[set[int]]) -> None:
@@ -225,6 +231,8 @@ class Lanes:
       thread.start()
     for thread in threads:
       thread.join()
+    if self.error is not None:
+      raise self.error
 
 
 def to_do(commands: list[list[str]]) -> dict[tuple[str, ...], int]:

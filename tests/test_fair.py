@@ -457,6 +457,33 @@ def test_a_stopped_run_stops_every_lane_and_a_failed_one_only_its_command():
   assert len(script.started) == 3  # c was not joined after the stop
 
 
+def test_a_plan_that_cannot_be_made_stops_the_lanes_and_raises_its_error():
+  a, b, c = ("a",), ("b",), ("c",)
+
+  def replan():
+    raise ValueError("records/fair_1/rte_ce_s1/eval_results.json: not JSON")
+
+  lanes, script, raised = fair.Lanes({a: 1, b: 1, c: 1}, replan), Script(), []
+
+  def run():
+    try:
+      lanes.run(script, [{0}, {1}])
+    except ValueError as error:
+      raised.append(error)
+
+  thread = threading.Thread(target=run)
+  thread.start()
+  script.wait_started(2)
+  script.release[a].set()  # a's lane cannot plan again: it takes nothing more, nor does b's
+  with lanes.changed:
+    assert lanes.changed.wait_for(lambda: lanes.error is not None, 10)
+  script.release[b].set()
+  thread.join(10)
+  assert not thread.is_alive() and [str(e) for e in raised] == [
+      "records/fair_1/rte_ce_s1/eval_results.json: not JSON"]
+  assert {s[0] for s in script.started} == {a, b}  # c was never taken
+
+
 def test_a_command_that_ends_with_runs_left_is_taken_again_while_it_moves_on():
   """A worker can end with points left (another command's worker held them): its command is
   taken again as long as each take leaves fewer runs, so a command stuck on its points ends."""
