@@ -29,10 +29,10 @@ point listed first; it is made only once every point of its grid has a record. T
 run_grid's, so a point already in the records is never trained again, and a command is planned
 while run_grid would still train or sweep one of its points (read from the records and run
 directories as run_grid reads them); `run` plans again after each command ends, so the stages
-a finished grid unlocks run in the same invocation, and a command whose
-runs failed does not hold up the others (it exits 1 at the end, naming them). A run stopped by
-a signal stops every lane, and `run` exits 75 as run_grid does: rerun it to continue. `run` keeps LANES
-commands going at once, each a single run_grid worker pinned to its own core (class Lanes).
+a finished grid unlocks run in the same invocation, and a command whose runs failed does not
+hold up the others (it exits 1 at the end, naming them). A run stopped by a signal stops every
+lane, and `run` exits 75 as run_grid does: rerun it to continue. `run` keeps LANES commands
+going at once, each a single run_grid worker pinned to its own core (class Lanes).
 """
 
 import argparse
@@ -170,7 +170,7 @@ class Lanes:
   """
 
   def __init__(self, plan: dict[tuple[str, ...], int], replan):
-    self.plan, self.replan = plan, replan  # command -> runs left; () -> the next plan
+    self.plan, self.replan = plan, replan  # command -> runs left; replan() makes the next
     self.changed = threading.Condition()
     self.taken: dict[tuple[str, ...], int] = {}  # command -> runs left when last taken fresh
     self.joined = set()  # commands a second lane has joined

@@ -220,7 +220,8 @@ def test_run_exits_75_when_a_run_is_stopped_and_1_naming_the_commands_whose_runs
   failed (1) command does."""
   checkout = tmp_path / "checkout"
   (checkout / "experiments").mkdir(parents=True)
-  (checkout / "experiments" / "run_grid.py").write_text(f"import sys\nsys.exit({run_grid_exit})\n")
+  fake_run_grid = f"import sys\nsys.exit({run_grid_exit})\n"
+  (checkout / "experiments" / "run_grid.py").write_text(fake_run_grid)
   git = lambda *a: subprocess.run(["git", "-C", str(checkout), *a], check=True,
                                   capture_output=True, text=True).stdout.strip()
   git("init", "-q")
