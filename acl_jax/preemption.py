@@ -40,8 +40,8 @@ class Preempted(Exception):
 def exit_on_sigterm(what: str) -> Iterator[None]:
   """For work that keeps nothing on the way (an early-exit sweep, an export, predictions): a
   SIGTERM stops it at once with EXIT_CODE, which run_grid and schedulers read as a stop to run
-  again, where the signal's default would read as a failure (exit -15). Its outputs are
-  written whole at the end (run_dir.write_json), so none is left half-written."""
+  again, where the signal's default would read as a failure (exit -15). A sweep's JSON, which
+  marks a run as swept, is written last and whole (run_dir.write_json)."""
   if threading.current_thread() is not threading.main_thread():
     yield  # Python delivers signals to the main thread only
     return
