@@ -49,8 +49,8 @@ its record; a point done without the sweep is queued again for the sweep only.
 `--dry_run` prints what would run; `--report` prints each (task, objective)'s table of values
 and its best point on the first of --seeds. SIGTERM is passed on to the runs (which save a
 checkpoint and exit 75; a sweep stops and exits 75, to be redone), and the workers then stop;
-the command exits 75. Ctrl-C stops them
-the same way (the terminal signals the runs itself). A failed run makes the command exit 1.
+the command exits 75. Ctrl-C stops them the same way (the terminal signals the runs itself).
+A failed run makes the command exit 1.
 Summarize with experiments/summarize.py.
 """
 

@@ -1,7 +1,6 @@
 """experiments/fair.py and fair_report.py: the fair comparison's choices, next commands, tables
 and answers, from records written here as run_grid keeps them (config.json, eval_results.json)."""
 
-import argparse
 import collections
 import json
 import math
@@ -106,14 +105,9 @@ def test_no_two_commands_share_a_study_over_other_axes(tmp_path):
   selection(tmp_path, "rte", scl={(0.3, 0.1): 0.8}, acl={(0.9, 0.5): 0.9})
   studies = {}
   for command in fair.next_commands(fair.read_records(tmp_path), tmp_path / "fair_1"):
-    flags = {"study": None, "grid": []}
-    for flag, value in zip(command, command[1:]):
-      if flag == "--grid":
-        flags["grid"].append(value)
-      elif flag in ("--root", "--tasks", "--objectives", "--seeds", "--preset", "--study"):
-        flags[flag[2:]] = value
-    root = pathlib.Path(flags.pop("root"))
-    for cell in run_grid.make_cells(argparse.Namespace(**flags), root):
+    args = run_grid.parse_args(command[1:])
+    root = args.root
+    for cell in run_grid.make_cells(args, root):
       axes = studies.setdefault((root, cell.study_name), set(cell.distributions))
       assert axes == set(cell.distributions), (cell.study_name, " ".join(command))
   assert (tmp_path / "fair_1_multi_exit", "fair_1_multi_exit_global_gate/rte/acl_cl") in studies
