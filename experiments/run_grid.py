@@ -34,9 +34,10 @@ running, so no point trains twice. Each running trial beats a heartbeat into an 
 (--heartbeat seconds); a trial whose worker died stops beating and, two beats later, the next
 worker to look fails it and queues it again (Optuna's RetryHeartbeatStaleTrialCallback), and
 its run resumes from its checkpoint. A journal file has no heartbeat: there a killed worker's
-trial stays RUNNING. A trial whose run fails (a non-zero exit) is FAIL and queued again only
-when the command is run again. A point counts as done without training when its
-eval_results.json exists, in its workdir or in its record: the trial then reads its value.
+trial stays RUNNING. A trial whose run fails (a non-zero exit) is FAIL, and one whose run was
+stopped (exit 75) is PRUNED; either is queued again only when the command is run again. A point
+counts as done without training when its eval_results.json exists, in its workdir or in its
+record: the trial then reads its value.
 
 With `--records DIR` every run that finishes is also copied to DIR/<name>/ (its config.json,
 eval_results.json, metrics.jsonl, log.txt, early_exit.json/.png; no checkpoints), and a run with
@@ -498,6 +499,11 @@ class Grid:
       print(f"    [{i}] {status} in {time.time() - start:.0f} s; log: "
             f"{point.workdir / 'log.txt'}" + kept, flush=True)
       self.failed |= returncode not in (0, PREEMPTED)
+    if returncode == PREEMPTED:
+      # PRUNED, not FAIL: a stop is not a failure (Optuna would log one, with a traceback), and
+      # a pruned point, held by no trial, is queued again when the command runs again.
+      raise optuna.TrialPruned(f"{point.workdir.name} stopped (exit {PREEMPTED}); run the "
+                               "command again to resume it from its checkpoint")
     if returncode:
       raise RunFailed(f"{describe(commands)} exited {returncode}")
 

@@ -5,6 +5,7 @@ import argparse
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -69,10 +70,10 @@ def test_grid_points_names_and_bad_flags(tmp_path):
       run_grid.make_cells(grid_args(**flags), tmp_path)
 
 
-def tiny_grid(tiny_bert_dir, root, *extra, preset=""):
+def tiny_grid(tiny_bert_dir, root, *extra, preset="", steps=2):
   return [sys.executable, "experiments/run_grid.py", "--root", str(root), "--tasks", "rte",
           "--objectives", "ce", "--preset",
-          f"model={tiny_bert_dir},max_steps=2,batch_size=8,max_length=32{preset}", *extra]
+          f"model={tiny_bert_dir},max_steps={steps},batch_size=8,max_length=32{preset}", *extra]
 
 
 @pytest.fixture
@@ -171,6 +172,41 @@ def test_a_killed_workers_trial_is_run_again(tiny_bert_dir, grid_env, tmp_path):
   assert states == [(0, optuna.trial.TrialState.FAIL), (1, optuna.trial.TrialState.COMPLETE)]
   assert study.trials[1].system_attrs["failed_trial"] == 0
   assert (workdir / "eval_results.json").exists()
+
+
+def test_a_stopped_command_exits_75_and_queues_its_point_again(tiny_bert_dir, grid_env,
+                                                               tmp_path):
+  """SIGTERM to run_grid goes on to its run, which saves and exits 75; the command exits 75 and
+  closes the trial as PRUNED, not FAIL (Optuna logs no failure or traceback), and the same
+  command run again queues the point again (the run resumes its checkpoint: test_preemption)."""
+  # 200 steps take a few seconds, and no save is due before the end: time for the signal.
+  command = tiny_grid(tiny_bert_dir, tmp_path / "grid", "--seeds", "0", steps=200,
+                      preset=",checkpoint_every=1000")
+  worker = subprocess.Popen(command, cwd=REPO_ROOT, env=grid_env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+  workdir = tmp_path / "grid" / "rte_ce_s0"
+  metrics = workdir / "metrics.jsonl"
+  deadline = time.time() + 300
+  while not (metrics.exists() and '"loss"' in metrics.read_text()):  # training, past step 20
+    assert worker.poll() is None and time.time() < deadline, "the run never logged a step"
+    time.sleep(0.005)
+  worker.send_signal(signal.SIGTERM)  # to run_grid only: it must pass the signal on
+  out, _ = worker.communicate(timeout=300)
+  assert worker.returncode == 75, out
+  assert "[1] stopped (exit 75; rerun to resume)" in out, out
+  assert "failed" not in out and "Traceback" not in out, out
+  stopped_at = int(re.search(r"SIGTERM at step (\d+)/200",
+                             (workdir / "log.txt").read_text()).group(1))
+  assert stopped_at < 200 and not (workdir / "eval_results.json").exists()
+  assert (workdir / "checkpoints" / "latest" / str(stopped_at)).is_dir()
+  storage = f"sqlite:///{tmp_path / 'grid' / 'study.db'}"
+  (trial,) = optuna.load_study(study_name="grid/rte/ce", storage=storage).trials
+  assert trial.state == optuna.trial.TrialState.PRUNED and "duplicate_of" not in trial.user_attrs
+
+  # Run again, the command queues the point again (its checkpoint is there to resume).
+  proc, out = run(command + ["--dry_run"], grid_env)
+  assert proc.returncode == 0 and "1 runs to do" in out, out
+  assert "[1/1] -m acl_jax.main --config=" in out and "--mode=early_exit" not in out, out
 
 
 def test_early_exit_sweeps_a_multi_exit_run_before_recording_it(tiny_bert_dir, grid_env,
