@@ -10,6 +10,7 @@ import importlib.metadata
 import os
 import pathlib
 import platform
+import re
 import subprocess
 import sys
 from typing import Any
@@ -47,10 +48,23 @@ def cpus_usable() -> int:
 
 
 def cpu_fingerprint() -> str:
-  """16 hex digits naming the CPU model and its feature flags (native code is only valid on a
-  CPU with the same features)."""
+  """16 hex digits naming the CPU model and its feature flags: native code is only valid on a
+  CPU with the same features, and XLA compiles for the features it finds, so two CPUs with one
+  model name but other flags can round differently (seen: one run's loss differed at step 60)."""
   flags = _cpuinfo_field("flags") or ""
   return hashlib.sha256(f"{machine()}|{platform.machine()}|{flags}".encode()).hexdigest()[:16]
+
+
+def recorded_cpu(meta: dict[str, Any]) -> str | None:
+  """The CPU fingerprint in a run's config.json "meta": its "cpu" field or, in runs recorded
+  before that field, the name of the automatic compilation cache directory it used
+  (<cache_root>/xla/<fingerprint>); None when neither says."""
+  if meta.get("cpu"):
+    return meta["cpu"]
+  cache = pathlib.PurePath(meta.get("compilation_cache") or "")
+  if cache.parent.name == "xla" and re.fullmatch(r"[0-9a-f]{16}", cache.name):
+    return cache.name
+  return None
 
 
 def git_commit() -> str | None:
@@ -79,14 +93,17 @@ def package_versions(packages=PACKAGES) -> dict[str, str | None]:
 
 
 def run_metadata() -> dict[str, Any]:
-  """What config.json's "meta" records about the process: command, commit, machine,
-  versions, devices."""
+  """What config.json's "meta" records about the process: command, commit, machine and CPU
+  fingerprint, versions, devices."""
   return {
       "argv": sys.argv,
       "git_commit": git_commit(),
       "python": platform.python_version(),
       "host": platform.node(),
       "machine": machine(),
+      # The model name alone is not the machine type: VMs named alike differ in feature flags,
+      # for which XLA compiles other code, with other rounding (see cpu_fingerprint).
+      "cpu": cpu_fingerprint(),
       "versions": package_versions(),
       "backend": jax.default_backend(),
       "devices": [str(d) for d in jax.devices()],

@@ -117,7 +117,8 @@ def main(argv=None):
                      "code the runs execute")
   check_pinned_commit(checkout, PINNED_COMMIT)
   check_one_commit_and_machine(single + multi)
-  check_this_machine(single + multi + read_records(PILOT_RECORDS), host.machine())
+  check_this_machine(single + multi + read_records(PILOT_RECORDS), host.machine(),
+                     host.cpu_fingerprint())
   lanes = Lanes(todo, lambda: to_do(next_commands(read_records(SINGLE_RECORDS),
                                                    args.root.resolve())))
   children: set[subprocess.Popen] = set()
@@ -376,19 +377,25 @@ def check_pinned_commit(checkout: pathlib.Path, pinned: str = PINNED_COMMIT) -> 
                      "committed")
 
 
-def check_this_machine(runs: list[dict], here: str) -> None:
-  """A session on another machine type adds no runs to the comparison (its dev metrics could
-  differ in the last bits, and so could a choice)."""
-  machines = sorted({str(run["machine"]) for run in runs})
-  if machines and machines != [here]:
-    raise SystemExit(f"this machine is {here!r}, and the records of {TAG} come from "
-                     f"{' and '.join(map(repr, machines))}: run on that machine type, or start "
-                     "a new comparison (a new tag and records directory) for this one")
+def check_this_machine(runs: list[dict], here: str, cpu: str) -> None:
+  """A session on another machine type adds no runs to the comparison: its dev metrics could
+  differ in the last bits, and so could a choice. The type is the CPU's model name and its
+  feature flags (the fingerprint): XLA compiles for the flags it finds, and on an "AMD EPYC,
+  2 cores" VM with other flags one of fair-1's runs, repeated, had another loss by step 60."""
+  kinds = sorted({(str(run["machine"]), str(run["cpu"])) for run in runs})
+  if kinds and kinds != [(here, cpu)]:
+    raise SystemExit(
+        f"this machine is {here!r} with CPU fingerprint {cpu}, and the records of {TAG} come "
+        f"from {' and '.join(f'{m!r} with CPU fingerprint {c}' for m, c in kinds)} "
+        "(host.cpu_fingerprint: the model name and feature flags, for which XLA compiles): "
+        "run on that machine type, or start a new comparison (a new tag and records "
+        "directory) for this one")
 
 
 def check_one_commit_and_machine(runs: list[dict]) -> None:
-  """Every record of the comparison from one commit on one machine type."""
-  for key in ("commit", "machine"):
+  """Every record of the comparison from one commit on one machine type (CPU model name and
+  fingerprint)."""
+  for key in ("commit", "machine", "cpu"):
     values = collections.Counter(str(run[key]) for run in runs)
     if len(values) > 1:
       raise SystemExit(f"the fair records mix {key}s: {dict(values)}; a comparison keeps one")

@@ -114,7 +114,8 @@ def record_row(run: dict) -> dict:
   return {"task": run["task"], "objective": run["objective"], "seed": run["seed"],
           "multi_exit": run["multi_exit"], "hyper_parameters": hyper_parameters(run),
           "gate_granularity": run["gate_granularity"] if run["multi_exit"] else None,
-          "commit": run["commit"], "machine": run["machine"], "record": run["workdir"],
+          "commit": run["commit"], "machine": run["machine"], "cpu": run["cpu"],
+          "record": run["workdir"],
           "main_metric": run["main_metric"], "metrics": run["metrics"]}
 
 
@@ -188,7 +189,8 @@ def progress(single: list[dict], multi: list[dict], pilot: list[dict]) -> str:
       f"multi-exit report {sum(len(runs) for *_, runs in cells)} of "
       f"{(len(TASKS) * len(MULTI_EXIT) + 1) * len(REPORT_SEEDS)}",
       f"pilot {len(pilot)} of {len(TASKS) * 2}"]
-  machines = sorted({str(r["machine"]) for r in single + multi + pilot})
+  machines = sorted({f"{r['machine']} (CPU fingerprint {r['cpu']})"
+                     for r in single + multi + pilot})
   commits = sorted({str(r["commit"])[:7] for r in single + multi + pilot})
   return ("Runs recorded: " + "; ".join(counts) + ". Commit " + (", ".join(commits) or "-")
           + "; machine " + (", ".join(machines) or "-") + ".")

@@ -25,6 +25,7 @@ import pathlib
 import statistics
 import sys
 
+from acl_jax import host
 from acl_jax import run_dir
 from acl_jax.objectives import OBJECTIVES
 
@@ -93,7 +94,7 @@ def load_run(workdir: pathlib.Path) -> dict | None:
       "examples_per_s": results["train"]["examples_per_s"],
       "steps": results["train"]["steps"],
       "command": command_line(meta["argv"]), "commit": meta["git_commit"],
-      "machine": meta["machine"], "backend": meta["backend"], "versions": meta["versions"],
+      "machine": meta["machine"], "cpu": host.recorded_cpu(meta), "backend": meta["backend"], "versions": meta["versions"],
   }
 
 

@@ -19,11 +19,12 @@ import fair_report
 import run_grid
 
 COMMIT, MACHINE = "5eb4784f7ffe", "AMD EPYC, 2 cores"  # as acl_jax.host.machine() writes it
+CPU = "4202c509659cc6d0"  # acl_jax.host.cpu_fingerprint(): the model name and feature flags
 
 
 def write_record(root: pathlib.Path, task, objective, seed, score, *, lr=1e-4, aux=0.5,
                  temperature=0.3, multi_exit=False, gate="per_exit", commit=COMMIT,
-                 early_exit=None) -> None:
+                 cpu=CPU, early_exit=None) -> None:
   name = f"{task}_{objective}_s{seed}_lr{lr}_a{aux}_t{temperature}_{multi_exit}_{gate}"
   path = root / name
   path.mkdir(parents=True)
@@ -32,8 +33,10 @@ def write_record(root: pathlib.Path, task, objective, seed, score, *, lr=1e-4, a
             "learning_rate": lr, "num_epochs": 3, "max_steps": 0, "batch_size": 32,
             "seed": seed, "aux_weight": aux, "temperature": temperature, "cl_weight": 0.5,
             "gate_granularity": gate, "pooler_input": "mean" if multi_exit else "cls"}
+  # As fair-1's records name the CPU: by their automatic compilation cache directory.
   meta = {"argv": ["acl_jax/main.py"], "git_commit": commit, "machine": MACHINE,
-          "backend": "cpu", "versions": {}}
+          "compilation_cache": f"/work/fair_runs/cache/xla/{cpu}", "backend": "cpu",
+          "versions": {}}
   (path / "config.json").write_text(json.dumps({"config": config, "meta": meta}))
   main = f"validation/avg/{metric}" if multi_exit else f"validation/{metric}"
   final = ({"validation": {f"exit1/{metric}": score / 2, f"avg/{metric}": score}}
@@ -175,19 +178,36 @@ def test_the_multi_exit_table_reads_the_best_metric_at_each_counted_speedup(tmp_
 
 
 def test_one_comparison_keeps_one_commit_and_one_machine(tmp_path):
-  write_record(tmp_path, "rte", "ce", 1, 0.6)
-  write_record(tmp_path, "rte", "ce", 2, 0.6, commit="0123456789ab")
+  write_record(tmp_path / "commits", "rte", "ce", 1, 0.6)
+  write_record(tmp_path / "commits", "rte", "ce", 2, 0.6, commit="0123456789ab")
   with pytest.raises(SystemExit, match="mix commits"):
-    fair.check_one_commit_and_machine(fair.read_records(tmp_path))
+    fair.check_one_commit_and_machine(fair.read_records(tmp_path / "commits"))
+  # One model name is not one machine type: the feature flags must match too.
+  write_record(tmp_path / "cpus", "rte", "ce", 1, 0.6)
+  write_record(tmp_path / "cpus", "rte", "ce", 2, 0.6, cpu="e51468c5bac4503e")
+  with pytest.raises(SystemExit, match="mix cpus: {'4202c509659cc6d0': 1, 'e51468c5bac4503e': 1}"):
+    fair.check_one_commit_and_machine(fair.read_records(tmp_path / "cpus"))
 
 
 def test_a_session_on_another_machine_type_adds_no_runs(tmp_path):
   write_record(tmp_path, "rte", "ce", 0, 0.6)
   runs = fair.read_records(tmp_path)
-  fair.check_this_machine(runs, "AMD EPYC, 2 cores")
-  fair.check_this_machine([], "Intel(R) Xeon(R) Processor, 2 cores")  # the first run decides
+  fair.check_this_machine(runs, MACHINE, CPU)
+  fair.check_this_machine([], "Intel(R) Xeon(R) Processor, 2 cores", "0" * 16)  # the first decides
   with pytest.raises(SystemExit, match="this machine is 'Intel.*come from 'AMD EPYC, 2 cores'"):
-    fair.check_this_machine(runs, "Intel(R) Xeon(R) Processor, 2 cores")
+    fair.check_this_machine(runs, "Intel(R) Xeon(R) Processor, 2 cores", CPU)
+  with pytest.raises(SystemExit, match=(
+      "this machine is 'AMD EPYC, 2 cores' with CPU fingerprint e51468c5bac4503e, and the "
+      "records of fair-1 come from 'AMD EPYC, 2 cores' with CPU fingerprint 4202c509659cc6d0")):
+    fair.check_this_machine(runs, MACHINE, "e51468c5bac4503e")
+
+
+def test_the_committed_records_name_one_cpu():
+  """fair-1's records name their CPU only by their compilation cache directory: each must."""
+  runs = [run for directory in (fair.SINGLE_RECORDS, fair.MULTI_RECORDS, fair.PILOT_RECORDS)
+          for run in fair.read_records(directory)]
+  assert runs and len({run["cpu"] for run in runs}) == 1 and runs[0]["cpu"] is not None
+  fair.check_one_commit_and_machine(runs)
 
 
 def test_runs_execute_only_the_tagged_commit(tmp_path):

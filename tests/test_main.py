@@ -9,6 +9,7 @@ import subprocess
 import sys
 import termios
 
+from acl_jax import host
 from conftest import REPO_ROOT
 
 
@@ -39,8 +40,9 @@ def test_cli_trains_and_writes_the_run_directory(tiny_bert_dir, glue_dir, tmp_pa
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "validation accuracy=" in proc.stdout + proc.stderr
     results[name] = json.loads((workdir / "eval_results.json").read_text())
-    assert json.loads((workdir / "config.json").read_text())["meta"]["compilation_cache"] == str(
-        xla_cache)
+    meta = json.loads((workdir / "config.json").read_text())["meta"]
+    assert meta["compilation_cache"] == str(xla_cache)
+    assert meta["cpu"] == host.cpu_fingerprint() and host.recorded_cpu(meta) == meta["cpu"]
     entries = sorted(p.name for p in xla_cache.iterdir())
     if name == "run":
       first_entries = entries

@@ -29,6 +29,22 @@ def _run_dir(root, task, seed, accuracy, name=None, **config_overrides):
   return workdir
 
 
+@pytest.mark.parametrize("meta, cpu", [
+    ({"cpu": "e51468c5bac4503e", "compilation_cache": "/c/xla/4202c509659cc6d0"},
+     "e51468c5bac4503e"),  # recorded since the field exists
+    ({"compilation_cache": "/work/fair_runs/cache/xla/4202c509659cc6d0"}, "4202c509659cc6d0"),
+    ({"compilation_cache": "/home/me/jax_cache"}, None),  # a cache directory of one's own
+    ({"compilation_cache": None}, None),  # --compilation_cache=none
+])
+def test_a_run_names_its_cpu_by_the_field_or_by_its_automatic_cache_directory(tmp_path, meta,
+                                                                                cpu):
+  workdir = _run_dir(tmp_path, "rte", 0, 0.5)
+  saved = json.loads((workdir / "config.json").read_text())
+  saved["meta"].update(meta)
+  (workdir / "config.json").write_text(json.dumps(saved))
+  assert summarize.load_run(workdir)["cpu"] == cpu
+
+
 def test_seeds_are_grouped_and_earlier_summaries_merged(tmp_path):
   runs = [_run_dir(tmp_path, "rte", 0, 0.5), _run_dir(tmp_path, "rte", 1, 0.6),
           _run_dir(tmp_path, "cola", 0, 0.9)]
