@@ -721,6 +721,40 @@ def block_fair_answers() -> str:
   return report.answers(single, multi)
 
 
+def block_fair_cross_cpu() -> str:
+  """Which CPU fair-1's records come from, and those records repeated on a machine of another
+  type by experiments/repeat_record.py (results/cross_cpu_repeats_fair_1.jsonl)."""
+  _, single, multi, pilot = _fair()
+  kinds = sorted({(r["machine"], r["cpu"]) for r in single + multi + pilot})
+  counts = [sum((r["machine"], r["cpu"]) == kind for r in single + multi + pilot)
+            for kind in kinds]
+  lines = ["fair-1's records: " + "; ".join(f"{n} on {m} with CPU fingerprint {c}"
+                                            for (m, c), n in zip(kinds, counts)) + "."]
+  repeats = (jsonl("cross_cpu_repeats_fair_1.jsonl")
+             if (RESULTS / "cross_cpu_repeats_fair_1.jsonl").exists() else ())
+  if not repeats:
+    return "\n".join(lines + ["", "No record has been repeated on another machine type."])
+  rows = []
+  for r in repeats:
+    final = r["evaluations"][-1]
+    scores = ", ".join(f"{name.rsplit('/', 1)[-1]} {value:.4f} / {final['repeat'][name]:.4f}"
+                       for name, value in final["record"].items())
+    rows.append([f"`{pathlib.Path(r['record']).name}`", f"{r['record_cpu']} → {r['cpu']}",
+                 r["compared_steps"], r["first_loss_difference_step"] or "none",
+                 f"{r['max_relative_loss_difference']:.1e}",
+                 "equal" if r["evaluations_equal"] else "**differ**",
+                 f"step {final['step']}: {scores}"])
+  lines += ["", table(["record (commit " + ", ".join(sorted({short(r["commit"]) for r in repeats}))
+                       + ")", "CPU: record → repeat", "loss rows compared",
+                       "first differing loss", "largest relative loss difference",
+                       "dev evaluations", "last evaluation, record / repeat"], rows), "",
+            f"{sum(r['first_loss_difference_step'] is not None for r in repeats)} of "
+            f"{len(repeats)} repeats logged another loss somewhere; "
+            f"{sum(not r['evaluations_equal'] for r in repeats)} of {len(repeats)} had another "
+            "dev evaluation. Command per row in the file."]
+  return "\n".join(lines)
+
+
 def block_fair_summary() -> str:
   """The top-level README's summary of the answers."""
   report, single, multi, _ = _fair()

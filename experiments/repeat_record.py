@@ -55,19 +55,28 @@ def read_rows(workdir: pathlib.Path) -> tuple[dict[int, float], dict[int, dict]]
   return losses, evals
 
 
+def windows(losses: dict[int, float]) -> dict[int, tuple[int, int]]:
+  """Each logged step's window: a loss row is the mean over the steps since the row before."""
+  steps = sorted(losses)
+  return {step: (before, step) for before, step in zip([0, *steps], steps)}
+
+
 def compare(record: pathlib.Path, repeat: pathlib.Path) -> dict:
-  """Where `repeat`'s logged losses and dev evaluations first differ from `record`'s."""
+  """Where `repeat`'s logged losses and dev evaluations first differ from `record`'s. A repeat
+  that was stopped and resumed has a row at its stop, and the row after it covers fewer steps:
+  only rows over the same window of steps are compared."""
   (record_losses, record_evals), (losses, evals) = read_rows(record), read_rows(repeat)
-  steps = sorted(set(record_losses) & set(losses))
-  if sorted(record_losses) != sorted(losses):
-    raise SystemExit(f"{repeat}: logged steps {sorted(losses)} are not the record's "
-                     f"{sorted(record_losses)} ({record}): not the same run")
+  if missing := sorted(set(record_losses) - set(losses)):
+    raise SystemExit(f"{repeat} logged no loss at steps {missing}, which {record} did: not the "
+                     "same run, or not finished")
+  record_windows, repeat_windows = windows(record_losses), windows(losses)
+  steps = [s for s in sorted(record_losses) if repeat_windows[s] == record_windows[s]]
   differing = [s for s in steps if losses[s] != record_losses[s]]
   relative = [abs(losses[s] - record_losses[s]) / max(abs(record_losses[s]), 1e-30)
               for s in steps]
   both = sorted(set(record_evals) | set(evals))
   return {
-      "logged_steps": len(steps),
+      "compared_steps": len(steps),
       "first_loss_difference_step": differing[0] if differing else None,
       "max_relative_loss_difference": max(relative, default=0.0),
       "evaluations_equal": all(record_evals.get(s) == evals.get(s) for s in both),

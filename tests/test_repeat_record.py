@@ -30,7 +30,7 @@ def test_a_repeat_on_this_machine_matches_and_a_changed_record_is_caught(
   repeat_record.main([str(record), *flags])
   (line,) = map(json.loads, out.read_text().splitlines())
   assert line["cpu"] == line["record_cpu"] == host.cpu_fingerprint()
-  assert line["logged_steps"] == 3 and line["first_loss_difference_step"] is None
+  assert line["compared_steps"] == 3 and line["first_loss_difference_step"] is None
   assert line["max_relative_loss_difference"] == 0.0 and line["evaluations_equal"]
   (evaluation,) = line["evaluations"]
   assert evaluation["step"] == 6 and evaluation["record"] == evaluation["repeat"]
@@ -59,3 +59,21 @@ def test_a_repeat_on_this_machine_matches_and_a_changed_record_is_caught(
   with pytest.raises(SystemExit, match=f"{record} was recorded at 0000000000000000000000000000"
                      f"000000000000; {REPO_ROOT} is at "):
     repeat_record.main([str(record), *flags])
+
+
+def test_a_repeat_stopped_and_resumed_is_compared_over_the_same_windows(tmp_path):
+  """A stop logs a row at its step (3), and the next row (4) is the mean of fewer steps: that
+  row is not compared, the rows before and after are."""
+  rows = {"record": [(2, 0.9), (4, 0.8), (6, 0.7)],
+          "repeat": [(2, 0.9), (3, 0.85), (4, 0.75), (6, 0.7)]}
+  for name, losses in rows.items():
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": step, "loss": loss}) + "\n" for step, loss in losses)
+        + json.dumps({"step": 6, "eval/validation/accuracy": 0.5}) + "\n")
+  result = repeat_record.compare(tmp_path / "record", tmp_path / "repeat")
+  assert result["compared_steps"] == 2 and result["first_loss_difference_step"] is None
+  assert result["evaluations_equal"]
+  with pytest.raises(SystemExit, match=r"logged no loss at steps \[4, 6\]"):
+    (tmp_path / "repeat" / "metrics.jsonl").write_text(json.dumps({"step": 2, "loss": 0.9}))
+    repeat_record.compare(tmp_path / "record", tmp_path / "repeat")
