@@ -62,15 +62,17 @@ def windows(losses: dict[int, float]) -> dict[int, tuple[int, int]]:
 
 
 def compare(record: pathlib.Path, repeat: pathlib.Path) -> dict:
-  """Where `repeat`'s logged losses and dev evaluations first differ from `record`'s. A repeat
-  that was stopped and resumed has a row at its stop, and the row after it covers fewer steps:
-  only rows over the same window of steps are compared."""
+  """Where `repeat`'s logged losses and dev evaluations first differ from `record`'s. A run
+  that was stopped and resumed (the record or the repeat) has a row at its stop, and the row
+  after it covers fewer steps: only rows over the same window of steps are compared."""
   (record_losses, record_evals), (losses, evals) = read_rows(record), read_rows(repeat)
-  if missing := sorted(set(record_losses) - set(losses)):
-    raise SystemExit(f"{repeat} logged no loss at steps {missing}, which {record} did: not the "
-                     "same run, or not finished")
+  if max(losses, default=None) != max(record_losses, default=None):
+    raise SystemExit(f"{repeat} logged its last loss at step {max(losses, default=None)}, "
+                     f"{record} at {max(record_losses, default=None)}: not the same run, or "
+                     "not finished")
   record_windows, repeat_windows = windows(record_losses), windows(losses)
-  steps = [s for s in sorted(record_losses) if repeat_windows[s] == record_windows[s]]
+  steps = [s for s in sorted(set(record_losses) & set(losses))
+           if repeat_windows[s] == record_windows[s]]
   differing = [s for s in steps if losses[s] != record_losses[s]]
   relative = [abs(losses[s] - record_losses[s]) / max(abs(record_losses[s]), 1e-30)
               for s in steps]
