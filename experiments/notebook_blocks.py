@@ -7,6 +7,7 @@ them all; `--check` only compares. Prose between the blocks is hand-written and 
 numbers of its own.
 """
 
+import collections
 import functools
 import json
 import pathlib
@@ -725,29 +726,28 @@ def block_fair_cross_cpu() -> str:
   """Which CPU fair-1's records come from, and those records repeated on a machine of another
   type by experiments/repeat_record.py (results/cross_cpu_repeats_fair_1.jsonl)."""
   _, single, multi, pilot = _fair()
-  kinds = sorted({(r["machine"], r["cpu"]) for r in single + multi + pilot})
-  counts = [sum((r["machine"], r["cpu"]) == kind for r in single + multi + pilot)
-            for kind in kinds]
+  kinds = collections.Counter((r["machine"], r["cpu"]) for r in single + multi + pilot)
   lines = ["fair-1's records: " + "; ".join(f"{n} on {m} with CPU fingerprint {c}"
-                                            for (m, c), n in zip(kinds, counts)) + "."]
+                                            for (m, c), n in sorted(kinds.items())) + "."]
   repeats = (jsonl("cross_cpu_repeats_fair_1.jsonl")
              if (RESULTS / "cross_cpu_repeats_fair_1.jsonl").exists() else ())
   if not repeats:
     return "\n".join(lines + ["", "No record has been repeated on another machine type."])
   rows = []
   for r in repeats:
-    final = r["evaluations"][-1]
-    scores = ", ".join(f"{name.rsplit('/', 1)[-1]} {value:.4f} / {final['repeat'][name]:.4f}"
-                       for name, value in final["record"].items())
+    final, metric = r["evaluations"][-1], r["main_metric"]
+    scores = (f"{metric.removeprefix('eval/validation/')} {final['record'][metric]:.4f} / "
+              f"{final['repeat'][metric]:.4f}")
     rows.append([f"`{pathlib.Path(r['record']).name}`", f"{r['record_cpu']} → {r['cpu']}",
                  r["compared_steps"], r["first_loss_difference_step"] or "none",
                  f"{r['max_relative_loss_difference']:.1e}",
                  "equal" if r["evaluations_equal"] else "**differ**",
                  f"step {final['step']}: {scores}"])
-  lines += ["", table(["record (commit " + ", ".join(sorted({short(r["commit"]) for r in repeats}))
-                       + ")", "CPU: record → repeat", "loss rows compared",
-                       "first differing loss", "largest relative loss difference",
-                       "dev evaluations", "last evaluation, record / repeat"], rows), "",
+  commits = ", ".join(sorted({short(r["commit"]) for r in repeats}))
+  header = [f"record (commit {commits})", "CPU: record → repeat", "loss rows compared",
+            "first differing loss", "largest relative loss difference", "dev evaluations",
+            "last evaluation's main metric, record / repeat"]
+  lines += ["", table(header, rows), "",
             f"{sum(r['first_loss_difference_step'] is not None for r in repeats)} of "
             f"{len(repeats)} repeats logged another loss somewhere; "
             f"{sum(not r['evaluations_equal'] for r in repeats)} of {len(repeats)} had another "

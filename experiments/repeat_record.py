@@ -108,8 +108,9 @@ def repeat(record: pathlib.Path, args) -> dict:
       raise SystemExit(f"{record.name}: the repeat exited {returncode}; log: "
                        f"{workdir / 'log.txt'} (run again to resume it)")
   repeated = json.loads((workdir / "config.json").read_text())["meta"]
+  main_metric = json.loads((record / "eval_results.json").read_text())["main_metric"]
   return {"record": str(record), "command": " ".join(["python", *command[1:]]),
-          "commit": meta["git_commit"],
+          "commit": meta["git_commit"], "main_metric": f"eval/{main_metric}",
           "record_machine": meta["machine"], "record_cpu": host.recorded_cpu(meta),
           "machine": repeated["machine"], "cpu": host.recorded_cpu(repeated),
           **compare(record, workdir)}

@@ -35,6 +35,7 @@ def test_a_repeat_on_this_machine_matches_and_a_changed_record_is_caught(
   (evaluation,) = line["evaluations"]
   assert evaluation["step"] == 6 and evaluation["record"] == evaluation["repeat"]
   assert "eval/validation/accuracy" in evaluation["record"]
+  assert line["main_metric"] == "eval/validation/accuracy"
   assert line["command"].startswith("python -m acl_jax.main --config=configs/glue.py:rte,")
   assert line["command"].endswith(f"--workdir={root / 'rte_ce_s0'}")
 
