@@ -67,10 +67,10 @@ def recorded_cpu(meta: dict[str, Any]) -> str | None:
   return None
 
 
-def git_commit() -> str | None:
-  """HEAD of the repository this package runs from, "-dirty" when tracked files changed;
-  None outside a git checkout (an installed wheel)."""
-  repo = pathlib.Path(__file__).resolve().parents[1]
+def git_commit(repo: pathlib.Path | None = None) -> str | None:
+  """HEAD of `repo` (default: the repository this package runs from), "-dirty" when tracked
+  files changed; None outside a git checkout (an installed wheel)."""
+  repo = repo or pathlib.Path(__file__).resolve().parents[1]
   try:
     commit = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True,
                             text=True, check=True).stdout.strip()

@@ -28,14 +28,6 @@ import run_grid  # noqa: E402  (experiments/ on the path first)
 from acl_jax import host  # noqa: E402
 
 
-def checkout_commit(checkout: pathlib.Path) -> str:
-  """HEAD of `checkout`, "-dirty" when tracked files changed: what host.git_commit records."""
-  git = lambda *a: subprocess.run(["git", "-C", str(checkout), *a], capture_output=True,
-                                  text=True, check=True).stdout.strip()
-  return git("rev-parse", "HEAD") + ("-dirty" if git("status", "--porcelain",
-                                                     "--untracked-files=no") else "")
-
-
 def repeat_command(meta: dict, workdir: pathlib.Path) -> list[str]:
   """The record's `python -m acl_jax.main` arguments, writing to `workdir` instead."""
   args = [a for a in meta["argv"][1:] if not a.startswith("--workdir")]
@@ -89,7 +81,7 @@ def compare(record: pathlib.Path, repeat: pathlib.Path) -> dict:
 
 def repeat(record: pathlib.Path, args) -> dict:
   meta = json.loads((record / "config.json").read_text())["meta"]
-  commit = checkout_commit(args.checkout)
+  commit = host.git_commit(args.checkout)
   if meta["git_commit"] != commit:
     raise SystemExit(f"{record} was recorded at {meta['git_commit']}; {args.checkout} is at "
                      f"{commit}: git worktree add --detach DIR {meta['git_commit'][:12]}")
