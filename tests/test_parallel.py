@@ -2,7 +2,6 @@
 
 import json
 import os
-import pathlib
 import socket
 import subprocess
 import sys
@@ -14,8 +13,7 @@ import pytest
 from acl_jax import hf_weights
 from acl_jax import parallel
 from acl_jax import run_dir
-
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+from conftest import REPO_ROOT, xla_flags
 
 # The compared runs: a learning rate that moves parameters ~2e-3 in 4 steps (200x the 1e-5
 # they are compared at; at the default 2e-5 they moved 4e-5, so a bug that Adam's scale
@@ -94,7 +92,7 @@ def assert_trains_like(rows, reference_rows, *, moved: float, label: str):
 @pytest.fixture(scope="module")
 def eight_device_report(tiny_bert_dir, glue_dir, tmp_path_factory):
   tmp = tmp_path_factory.mktemp("parallel")
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+  env = dict(os.environ, XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=8"),
              JAX_PLATFORMS="cpu")
   proc = subprocess.run([sys.executable, "-c", _CHILD, str(tiny_bert_dir), str(glue_dir),
                          str(tmp), PRESET], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
@@ -188,7 +186,7 @@ def test_two_hosts_run_the_same_command_and_train_like_one_device(tiny_bert_dir,
   procs, logs = [], []
   for process_id in range(2):
     env = dict(os.environ, GLUE_DIR=str(glue_dir), HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=4",
+               XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=4"),
                JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2",
                JAX_PROCESS_ID=str(process_id))
     logs.append(open(tmp_path / f"host{process_id}.log", "w"))

@@ -18,16 +18,17 @@ import pytest
 from acl_jax import preemption
 from acl_jax import run_dir
 from acl_jax import train
-from conftest import REPO_ROOT, tiny_run_config
+from conftest import REPO_ROOT, tiny_run_config, xla_flags
 
-# 200 steps take a few seconds: time for the signal to land mid-run. No save is due before
+# 100 steps take a few seconds: time for the signal to land mid-run. No save is due before
 # the end (checkpoint_every, eval_every), so a checkpoint mid-run can only be the stop's.
-PRESET = "objective=acl,max_steps=200,checkpoint_every=1000,batch_size=8,max_length=32"
+STEPS = 100
+PRESET = f"objective=acl,max_steps={STEPS},checkpoint_every=1000,batch_size=8,max_length=32"
 
 
-def _command(model_dir, workdir, preset=PRESET):
+def _command(model_dir, workdir):
   return [sys.executable, "-m", "acl_jax.main",
-          f"--config=configs/glue.py:rte,model={model_dir},{preset}",
+          f"--config=configs/glue.py:rte,model={model_dir},{PRESET}",
           "--config.log_every=1", f"--workdir={workdir}"]
 
 
@@ -75,10 +76,10 @@ def test_sigterm_saves_the_current_step_and_the_rerun_matches_an_uninterrupted_r
   seen = _signal_once_logged([proc], preempted, 0, signal.SIGTERM, at_least=5)
   output, _ = proc.communicate(timeout=300)
   assert proc.returncode == preemption.EXIT_CODE, output[-3000:]
-  stopped_at = int(re.search(r"SIGTERM at step (\d+)/200", output).group(1))
+  stopped_at = int(re.search(rf"SIGTERM at step (\d+)/{STEPS}", output).group(1))
   # It finished the step it was in (and perhaps one more already queued), then saved there:
   # that checkpoint is the only one, and metrics.jsonl ends at it.
-  assert seen <= stopped_at <= seen + 3 < 200, (seen, stopped_at)
+  assert seen <= stopped_at <= seen + 3 < STEPS, (seen, stopped_at)
   assert _checkpoint_steps(preempted) == [stopped_at]
   assert _logged_steps(preempted)[-1] == stopped_at
   assert "rerun the same command to resume" in output
@@ -90,11 +91,11 @@ def test_sigterm_saves_the_current_step_and_the_rerun_matches_an_uninterrupted_r
   assert f"Resuming from the checkpoint at step {stopped_at}" in rerun.stdout
   ref_params, ref_step = run_dir.load_params(reference)
   res_params, res_step = run_dir.load_params(preempted)
-  assert ref_step == res_step == 200
+  assert ref_step == res_step == STEPS
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(ref_params),
                           jax.tree.leaves(res_params)):
     assert np.array_equal(np.asarray(a), np.asarray(b)), f"{jax.tree_util.keystr(path)} differs"
-  assert _logged_steps(preempted) == list(range(1, 201))
+  assert _logged_steps(preempted) == list(range(1, STEPS + 1))
   ref_rows = (reference / "metrics.jsonl").read_text().splitlines()
   res_rows = (preempted / "metrics.jsonl").read_text().splitlines()
   values = lambda rows: [(r["step"], r["loss"], r["grad_norm"])
@@ -179,14 +180,13 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_the_same_step(tiny_bert_d
   processes.)"""
   workdir = tmp_path / "two_hosts"
   port = _free_port()
-  preset = PRESET.replace("max_steps=200", "max_steps=100")
-
   procs = []
   for process_id in range(2):
-    env = _env(glue_dir, tmp_path / "cache", XLA_FLAGS="--xla_force_host_platform_device_count=2",
+    env = _env(glue_dir, tmp_path / "cache",
+               XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=2"),
                JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2",
                JAX_PROCESS_ID=str(process_id))
-    procs.append(subprocess.Popen(_command(tiny_bert_dir, workdir, preset), cwd=REPO_ROOT,
+    procs.append(subprocess.Popen(_command(tiny_bert_dir, workdir), cwd=REPO_ROOT,
                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   text=True))
   _signal_once_logged(procs, workdir, 1, signal.SIGTERM, at_least=3)  # process 0 logs
@@ -195,7 +195,7 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_the_same_step(tiny_bert_d
     assert proc.returncode == preemption.EXIT_CODE, output[-3000:]
   # Process 1 got the signal, process 0 did not; both stopped after the same step.
   steps = [int(re.search(r"at step (\d+): Pre-empted", output).group(1)) for output in outputs]
-  assert steps[0] == steps[1] < 100, outputs[0][-2000:]
+  assert steps[0] == steps[1] < STEPS, outputs[0][-2000:]
   assert _checkpoint_steps(workdir) == [steps[0]]
   assert _logged_steps(workdir)[-1] == steps[0]
 
