@@ -52,6 +52,7 @@ sys.path.insert(0, str(REPO_ROOT / "experiments"))
 import run_grid  # noqa: E402  (experiments/ on the path first)
 import summarize  # noqa: E402
 from acl_jax import host  # noqa: E402
+from acl_jax import run_dir  # noqa: E402
 from acl_jax.preemption import EXIT_CODE as PREEMPTED  # noqa: E402  (run_grid's exit on SIGTERM)
 
 # The commit every run of the comparison executes (tagged fair-1 where tags travel; the hash is
@@ -119,6 +120,7 @@ def main(argv=None):
   check_one_commit_and_machine(single + multi)
   check_this_machine(single + multi + read_records(PILOT_RECORDS), host.machine(),
                      host.cpu_fingerprint())
+  check_run_directories(run_roots(args.root.resolve()), host.cpu_fingerprint())
   lanes = Lanes(todo, lambda: to_do(next_commands(read_records(SINGLE_RECORDS),
                                                    args.root.resolve())))
   children: set[subprocess.Popen] = set()
@@ -321,12 +323,16 @@ def grid_command(root: pathlib.Path, records: pathlib.Path, task: str, objective
                     if early_exit else [])
 
 
+def run_roots(root: pathlib.Path) -> list[pathlib.Path]:
+  """Where the runs go: selection (root), report, multi-exit and pilot (<root>_report,
+  <root>_multi_exit, <root>_pilot: their own studies, since their grids differ)."""
+  return [root, *(root.with_name(root.name + suffix)
+                  for suffix in ("_report", "_multi_exit", "_pilot"))]
+
+
 def next_commands(single: list[dict], root: pathlib.Path) -> list[list[str]]:
-  """The run_grid commands whose inputs are chosen: selection (root), report, multi-exit and
-  pilot (<root>_report, <root>_multi_exit, <root>_pilot: their own studies, since their grids
-  differ)."""
-  select, report = root, root.with_name(root.name + "_report")
-  multi, pilot = (root.with_name(root.name + suffix) for suffix in ("_multi_exit", "_pilot"))
+  """The run_grid commands whose inputs are chosen, each in its run_roots directory."""
+  select, report, multi, pilot = run_roots(root)
   stage1, later = [], []
   for task, chosen in choices(single).items():
     cmd = lambda *a, **k: grid_command(*a, parallel=1, **k)
@@ -390,6 +396,22 @@ def check_this_machine(runs: list[dict], here: str, cpu: str) -> None:
         "(host.cpu_fingerprint: the model name and feature flags, for which XLA compiles): "
         "run on that machine type, or start a new comparison (a new tag and records "
         "directory) for this one")
+
+
+def check_run_directories(roots: list[pathlib.Path], cpu: str) -> None:
+  """run_grid resumes a run directory it finds, and records a finished one: a run that a
+  session on another machine type started or finished under these roots would join the
+  comparison through them, so `run` refuses them until their root is moved aside. (The root's
+  study counts them done too; the records hold every finished run of this type.)"""
+  foreign = [f"{workdir} ({theirs})" for root in roots if root.is_dir()
+             for workdir in sorted(root.iterdir())
+             if (theirs := host.recorded_cpu(run_dir.read_meta(workdir) or {})) not in (None, cpu)]
+  if foreign:
+    raise SystemExit(
+        f"these run directories were written on another machine type than this one (CPU "
+        f"fingerprint {cpu}), and run_grid would resume or record them: "
+        + ", ".join(foreign) + "; move their roots aside (with the studies there, which count "
+        "them done; the records keep this type's finished runs), then rerun")
 
 
 def check_one_commit_and_machine(runs: list[dict]) -> None:

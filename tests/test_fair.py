@@ -6,6 +6,7 @@ import json
 import math
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import threading
@@ -200,6 +201,32 @@ def test_a_session_on_another_machine_type_adds_no_runs(tmp_path):
       "this machine is 'AMD EPYC, 2 cores' with CPU fingerprint e51468c5bac4503e, and the "
       "records of fair-1 come from 'AMD EPYC, 2 cores' with CPU fingerprint 4202c509659cc6d0")):
     fair.check_this_machine(runs, MACHINE, "e51468c5bac4503e")
+
+
+def test_a_run_directory_from_another_machine_type_is_refused(tmp_path):
+  """A partial run another type started (config.json only) would be resumed, a finished one
+  recorded: `run` refuses both, in any of the four roots, naming each."""
+  root = tmp_path / "fair_1"
+  roots = fair.run_roots(root)
+  assert [r.name for r in roots] == ["fair_1", "fair_1_report", "fair_1_multi_exit",
+                                     "fair_1_pilot"]
+  write_record(root, "rte", "ce", 0, 0.6)  # this type's, finished
+  write_record(roots[2], "rte", "ce", 1, 0.6, multi_exit=True, cpu="e51468c5bac4503e")
+  (roots[2] / "study.db").write_bytes(b"")  # not a run directory
+  started = roots[3] / "rte_scl_s0"
+  started.mkdir(parents=True)
+  (started / "config.json").write_text(json.dumps(
+      {"config": {}, "meta": {"cpu": "e51468c5bac4503e"}}))
+  fair.check_run_directories(fair.run_roots(tmp_path / "elsewhere"), CPU)  # no roots yet
+  with pytest.raises(SystemExit, match=r"rte_ce_s1\S* \(e51468c5bac4503e\), \S*rte_scl_s0 "
+                     r"\(e51468c5bac4503e\); move their roots aside") as refused:
+    fair.check_run_directories(roots, CPU)
+  assert "rte_ce_s0" not in str(refused.value)
+  for path in (roots[2], started):
+    shutil.rmtree(path)
+  fair.check_run_directories(roots, CPU)
+  with pytest.raises(SystemExit, match=r"rte_ce_s0\S* \(4202c509659cc6d0\)"):
+    fair.check_run_directories(roots, "e51468c5bac4503e")
 
 
 def test_the_committed_records_name_one_cpu():
