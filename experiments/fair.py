@@ -142,11 +142,9 @@ def run_pinned(command: list[str], cores: set[int], cwd: pathlib.Path,
                children: set[subprocess.Popen]) -> int:
   """Runs `python <command>` in cwd pinned to `cores`, XLA's thread pool sized to match, and
   returns its exit status; the process is in `children` while it runs."""
-  flags = " ".join(filter(None, [os.environ.get("XLA_FLAGS"),
-                                 run_grid.xla_thread_flags(len(cores))]))
   # run_grid --parallel 1 pins nothing itself: its worker and runs inherit these cores.
   child = subprocess.Popen([sys.executable, *command], cwd=cwd,
-                           env={**os.environ, "XLA_FLAGS": flags},
+                           env=run_grid.pinned_env(len(cores)),
                            preexec_fn=lambda: os.sched_setaffinity(0, cores))
   children.add(child)
   try:

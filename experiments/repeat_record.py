@@ -16,7 +16,6 @@ repeated run reproduces its record); this measures what another type changes.
 
 import argparse
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -89,8 +88,7 @@ def repeat(record: pathlib.Path, args) -> dict:
   command = repeat_command(meta, workdir)
   if not (workdir / "eval_results.json").exists():
     workdir.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "XLA_FLAGS": " ".join(filter(None, [
-        os.environ.get("XLA_FLAGS"), run_grid.xla_thread_flags(len(args.cores))]))}
+    env = run_grid.pinned_env(len(args.cores))
     print(f"{record.name}: {' '.join(command[1:])} (cores {sorted(args.cores)})", flush=True)
     with open(workdir / "log.txt", "a") as log:
       returncode = subprocess.run(command, cwd=args.checkout, env=env, stdout=log,

@@ -471,10 +471,7 @@ class Grid:
       print(f"[{i}/{self.total}] {describe(commands)}"
             + (f" (cores {sorted(cores)})" if cores else ""), flush=True)
     point.workdir.mkdir(parents=True, exist_ok=True)  # an unfinished run resumes its checkpoint
-    env = dict(os.environ)
-    if cores:
-      env["XLA_FLAGS"] = " ".join(filter(None, [env.get("XLA_FLAGS"),
-                                                xla_thread_flags(len(cores))]))
+    env = pinned_env(len(cores)) if cores else dict(os.environ)
     start = time.time()
     returncode = 0
     with open(point.workdir / "log.txt", "a") as log:
@@ -633,6 +630,13 @@ def xla_thread_flags(num_cores: int) -> str:
   """XLA:CPU sizes its thread pool to the machine, not to the affinity mask: a run pinned to
   one core gets no Eigen thread pool at all, so its threads do not fight over that core."""
   return f"--xla_cpu_multi_thread_eigen={'true' if num_cores > 1 else 'false'}"
+
+
+def pinned_env(num_cores: int) -> dict[str, str]:
+  """This process's environment for a run pinned to `num_cores` cores: $XLA_FLAGS (kept)
+  plus xla_thread_flags."""
+  flags = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), xla_thread_flags(num_cores)]))
+  return {**os.environ, "XLA_FLAGS": flags}
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from conftest import REPO_ROOT
 import run_grid
 
 
-def test_core_groups_split_the_usable_cores():
+def test_core_groups_split_the_usable_cores(monkeypatch):
   cores = sorted(os.sched_getaffinity(0))
   assert run_grid.core_groups(1) == [None]
   if len(cores) > 1:  # with one usable core, --parallel 1 is the only (unpinned) choice
@@ -29,6 +29,11 @@ def test_core_groups_split_the_usable_cores():
     run_grid.core_groups(len(cores) + 1)
   assert run_grid.xla_thread_flags(1) == "--xla_cpu_multi_thread_eigen=false"
   assert run_grid.xla_thread_flags(2) == "--xla_cpu_multi_thread_eigen=true"
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+  assert run_grid.pinned_env(1)["XLA_FLAGS"] == (
+      "--xla_force_host_platform_device_count=2 --xla_cpu_multi_thread_eigen=false")
+  monkeypatch.delenv("XLA_FLAGS")
+  assert run_grid.pinned_env(2)["XLA_FLAGS"] == "--xla_cpu_multi_thread_eigen=true"
 
 
 def grid_args(**flags) -> argparse.Namespace:
