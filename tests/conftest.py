@@ -22,12 +22,6 @@ TOKEN_CACHE = pathlib.Path(tempfile.mkdtemp(prefix="acl_jax_test_tokens_"))
 # resumed run and a rerun under another seed load the programs an earlier run in this process
 # compiled (the tiny runs spend most of their time compiling) instead of compiling them again.
 XLA_CACHE = pathlib.Path(tempfile.mkdtemp(prefix="acl_jax_test_xla_"))
-# On CPU the tiny models' programs spend most of their time in LLVM's optimizer, not running:
-# -O0 codegen cuts the suite's time by about a sixth. It changes how XLA lowers each fused
-# kernel to machine code, not the HLO program, so what the tests compare holds either way:
-# results against references to a tolerance, and runs against runs (resumed, on 8 devices,
-# in another process) that all compile under the flags set here, which child processes
-# inherit. Accelerator backends (a CUDA plugin, libtpu) keep their defaults.
 
 
 def xla_flags(*flags: str) -> str:
@@ -35,6 +29,12 @@ def xla_flags(*flags: str) -> str:
   return " ".join(filter(None, [os.environ.get("XLA_FLAGS"), *flags]))
 
 
+# On CPU the tiny models' programs spend most of their time in LLVM's optimizer, not running:
+# -O0 codegen cuts the suite's time by about a quarter. It changes how XLA lowers each fused
+# kernel to machine code, not the HLO program, so what the tests compare holds either way:
+# results against references to a tolerance, and runs against runs (resumed, on 8 devices,
+# in another process) that all compile under the flags set here, which child processes
+# inherit. Accelerator backends (a CUDA plugin, libtpu) keep their defaults.
 if not (importlib.util.find_spec("jax_plugins") or importlib.util.find_spec("libtpu")):
   os.environ["XLA_FLAGS"] = xla_flags("--xla_backend_optimization_level=0")
 
