@@ -57,10 +57,10 @@ def compare(record: pathlib.Path, repeat: pathlib.Path) -> dict:
   that was stopped and resumed (the record or the repeat) has a row at its stop, and the row
   after it covers fewer steps: only rows over the same window of steps are compared."""
   (record_losses, record_evals), (losses, evals) = read_rows(record), read_rows(repeat)
-  if max(losses, default=None) != max(record_losses, default=None):
-    raise SystemExit(f"{repeat} logged its last loss at step {max(losses, default=None)}, "
-                     f"{record} at {max(record_losses, default=None)}: not the same run, or "
-                     "not finished")
+  last, record_last = max(losses, default=None), max(record_losses, default=None)
+  if last != record_last:
+    raise SystemExit(f"{repeat} logged its last loss at step {last}, {record} at {record_last}: "
+                     "not the same run, or not finished")
   record_windows, repeat_windows = windows(record_losses), windows(losses)
   steps = [s for s in sorted(set(record_losses) & set(losses))
            if repeat_windows[s] == record_windows[s]]
