@@ -8,6 +8,13 @@ selection runs chose, the run_grid commands it still needs, and which runs each 
     python experiments/fair.py tables              # fair_single_exit.{md,jsonl}, fair_multi_exit.{md,jsonl},
                                                    # fair_multi_exit_<task>.png, fair_pilot_<task>.{json,png}
 
+Each comparison (COMPARISONS, chosen by --comparison, fair-1 by default) is one commit on one
+machine type with its own records (records/fair_<n>/, fair_<n>_multi_exit/, fair_<n>_pilot/) and
+run roots (runs/fair_<n>...); a session adds runs only to the comparison of its machine type:
+
+    git worktree add --detach ../fair2 992fa4a
+    python experiments/fair.py run --comparison fair-2 --checkout ../fair2
+
 `run` executes the tag's own experiments/run_grid.py in that checkout (refusing a checkout at any
 other commit), so the runs execute the tag's code while this script, the records (under this
 checkout's experiments/results/records/) and the tables move on with main.
@@ -37,6 +44,7 @@ going at once, each a single run_grid worker pinned to its own core (class Lanes
 
 import argparse
 import collections
+import dataclasses
 import itertools
 import math
 import os
@@ -55,13 +63,46 @@ from acl_jax import host  # noqa: E402
 from acl_jax import run_dir  # noqa: E402
 from acl_jax.preemption import EXIT_CODE as PREEMPTED  # noqa: E402  (run_grid's exit on SIGTERM)
 
-# The commit every run of the comparison executes (tagged fair-1 where tags travel; the hash is
-# what counts, since a clone may not carry tags).
-TAG = "fair-1"
-PINNED_COMMIT = "5eb4784f7ffe500d60c3ffae6116b8c6cd24b1e7"
 RECORDS = REPO_ROOT / "experiments" / "results" / "records"
-SINGLE_RECORDS, MULTI_RECORDS = RECORDS / "fair_1", RECORDS / "fair_1_multi_exit"
-PILOT_RECORDS = RECORDS / "fair_1_pilot"
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+  """One comparison: the commit every one of its runs executes (tagged `tag` where tags travel;
+  the hash is what counts, since a clone may not carry tags) and where their records go. Its
+  machine type is the one its first record names (check_this_machine)."""
+  tag: str
+  commit: str
+  records: pathlib.Path = RECORDS  # holds <name>/, <name>_multi_exit/ and <name>_pilot/
+
+  @property
+  def name(self) -> str:  # fair_1: the records' and the run roots' directory name
+    return self.tag.replace("-", "_")
+
+  @property
+  def single_records(self) -> pathlib.Path:  # selection and single-exit report runs
+    return self.records / self.name
+
+  @property
+  def multi_records(self) -> pathlib.Path:
+    return self.records / f"{self.name}_multi_exit"
+
+  @property
+  def pilot_records(self) -> pathlib.Path:
+    return self.records / f"{self.name}_pilot"
+
+  def read(self) -> tuple[list[dict], list[dict], list[dict]]:
+    """Its records: single exit, multi-exit, pilot."""
+    return tuple(read_records(d) for d in (self.single_records, self.multi_records,
+                                           self.pilot_records))
+
+
+# fair-2 runs the same protocol from zero on another machine type: fair-1's type (CPU
+# fingerprint 4202c509659cc6d0) was not to be had for four sessions running, and a session adds
+# runs only to the comparison of its own type. The first to finish gives the answers.
+COMPARISONS = {c.tag: c for c in (
+    Comparison("fair-1", "5eb4784f7ffe500d60c3ffae6116b8c6cd24b1e7"),
+    Comparison("fair-2", "992fa4ae5a9796830766dc95553b2dc678b0515f"))}
 TASKS = ("rte", "mrpc", "cola")
 SELECTION_SEED, REPORT_SEEDS = 0, (1, 2, 3)
 PRESET = "model=minilm"
@@ -92,21 +133,25 @@ TIMED_EXAMPLES = 128
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("stage", choices=("plan", "run", "tables"))
-  parser.add_argument("--root", type=pathlib.Path, default=pathlib.Path("runs") / "fair_1",
+  parser.add_argument("--comparison", choices=COMPARISONS, default="fair-1",
+                      help="which comparison: " + ", ".join(
+                          f"{c.tag} runs {c.commit[:7]}" for c in COMPARISONS.values()))
+  parser.add_argument("--root", type=pathlib.Path, default=None,
                       help="where the run directories and the studies go (single exit in "
-                      "<root>, multi-exit in <root>_multi_exit)")
+                      "<root>, multi-exit in <root>_multi_exit; default runs/<comparison>)")
   parser.add_argument("--checkout", type=pathlib.Path, default=None,
-                      help=f"run: a checkout of {TAG} (git worktree add --detach ../fair1 "
-                      f"{PINNED_COMMIT[:7]})")
+                      help="run: a checkout of the comparison's commit (git worktree add "
+                      "--detach ../fair1 5eb4784 for fair-1)")
   args = parser.parse_args(argv)
-  single, multi = read_records(SINGLE_RECORDS), read_records(MULTI_RECORDS)
+  comparison = COMPARISONS[args.comparison]
+  root = (args.root or pathlib.Path("runs") / comparison.name).resolve()
+  single, multi, pilot = comparison.read()
   if args.stage == "tables":
     import fair_report  # experiments/, beside this script
-    fair_report.write_tables(single, multi)
+    fair_report.write_tables(comparison)
     return
   print(describe_choices(single))
-  checkout = (args.checkout or REPO_ROOT).resolve()
-  todo = to_do(next_commands(single, args.root.resolve()))
+  todo = to_do(next_commands(single, root, comparison))
   if args.stage == "plan":
     print(f"{sum(todo.values())} runs left, in {len(todo)} run_grid commands (`run` keeps "
           f"{LANES} going, each pinned to its own core):")
@@ -114,15 +159,16 @@ def main(argv=None):
       print(f"  [{left}] " + " ".join(command))
     return
   if args.checkout is None:
-    raise SystemExit(f"run needs --checkout: a checkout of {TAG} ({PINNED_COMMIT[:7]}), whose "
-                     "code the runs execute")
-  check_pinned_commit(checkout, PINNED_COMMIT)
+    raise SystemExit(f"run needs --checkout: a checkout of {comparison.tag} "
+                     f"({comparison.commit[:7]}), whose code the runs execute")
+  checkout = args.checkout.resolve()
+  check_pinned_commit(checkout, comparison)
   check_one_commit_and_machine(single + multi)
-  check_this_machine(single + multi + read_records(PILOT_RECORDS), host.machine(),
-                     host.cpu_fingerprint())
-  check_run_directories(run_roots(args.root.resolve()), host.cpu_fingerprint())
-  lanes = Lanes(todo, lambda: to_do(next_commands(read_records(SINGLE_RECORDS),
-                                                   args.root.resolve())))
+  check_this_machine(single + multi + pilot, host.machine(), host.cpu_fingerprint(),
+                     comparison.tag)
+  check_run_directories(run_roots(root), host.cpu_fingerprint())
+  lanes = Lanes(todo, lambda: to_do(next_commands(read_records(comparison.single_records),
+                                                   root, comparison)))
   children: set[subprocess.Popen] = set()
   # A SIGTERM here goes on to the workers, which pass it to their runs (they save and exit 75).
   signal.signal(signal.SIGTERM, lambda *_: [c.send_signal(signal.SIGTERM) for c in set(children)])
@@ -328,60 +374,66 @@ def run_roots(root: pathlib.Path) -> list[pathlib.Path]:
                   for suffix in ("_report", "_multi_exit", "_pilot"))]
 
 
-def next_commands(single: list[dict], root: pathlib.Path) -> list[list[str]]:
-  """The run_grid commands whose inputs are chosen, each in its run_roots directory."""
+def next_commands(single: list[dict], root: pathlib.Path, comparison: Comparison
+                  ) -> list[list[str]]:
+  """The run_grid commands whose inputs are chosen, each in its run_roots directory, recording
+  into the comparison's records."""
   select, report, multi, pilot = run_roots(root)
+  single_records, multi_records, pilot_records = (
+      comparison.single_records, comparison.multi_records, comparison.pilot_records)
   stage1, later = [], []
   for task, chosen in choices(single).items():
     cmd = lambda *a, **k: grid_command(*a, parallel=1, **k)
-    stage1.append(cmd(select, SINGLE_RECORDS, task, ["ce"], [SELECTION_SEED],
+    stage1.append(cmd(select, single_records, task, ["ce"], [SELECTION_SEED],
                       {"learning_rate": LEARNING_RATES}))
     if chosen["ce"] is None:
       continue
     lr = {"learning_rate": (chosen["ce"]["learning_rate"],)}
-    later.append(cmd(select, SINGLE_RECORDS, task, ["scl", "acl"], [SELECTION_SEED],
+    later.append(cmd(select, single_records, task, ["scl", "acl"], [SELECTION_SEED],
                      {**lr, "aux_weight": AUX_WEIGHTS, "temperature": TEMPERATURES}))
     me = dict(preset=MULTI_EXIT_PRESET, early_exit=True)
-    later.append(cmd(multi, MULTI_RECORDS, task, ["ce", "kd"], REPORT_SEEDS, lr, **me))
-    later.append(cmd(multi, MULTI_RECORDS, task, ["deebert"], REPORT_SEEDS, lr,
+    later.append(cmd(multi, multi_records, task, ["ce", "kd"], REPORT_SEEDS, lr, **me))
+    later.append(cmd(multi, multi_records, task, ["deebert"], REPORT_SEEDS, lr,
                      preset=MULTI_EXIT_PRESET + ",pooler_weights=per_exit", early_exit=True))
     if chosen["scl"] is None or chosen["acl"] is None:
       continue
     single_values = lambda point: {k: (v,) for k, v in point.items()}
-    later.append(cmd(report, SINGLE_RECORDS, task, ["ce"], REPORT_SEEDS, lr))
-    later.append(cmd(report, SINGLE_RECORDS, task, ["scl"], REPORT_SEEDS,
+    later.append(cmd(report, single_records, task, ["ce"], REPORT_SEEDS, lr))
+    later.append(cmd(report, single_records, task, ["scl"], REPORT_SEEDS,
                      single_values(chosen["scl"])))
     acl = single_values(chosen["acl"])
-    later.append(cmd(report, SINGLE_RECORDS, task, ["acl", "acl_embed"], REPORT_SEEDS, acl))
-    later.append(cmd(multi, MULTI_RECORDS, task, ["acl", "acl_cl"], REPORT_SEEDS, acl, **me))
-    later.append(cmd(pilot, PILOT_RECORDS, task, ["scl"], [SELECTION_SEED],
+    later.append(cmd(report, single_records, task, ["acl", "acl_embed"], REPORT_SEEDS, acl))
+    later.append(cmd(multi, multi_records, task, ["acl", "acl_cl"], REPORT_SEEDS, acl, **me))
+    later.append(cmd(pilot, pilot_records, task, ["scl"], [SELECTION_SEED],
                      single_values(chosen["scl"]), preset=PILOT_PRESET))
-    later.append(cmd(pilot, PILOT_RECORDS, task, ["acl_embed"], [SELECTION_SEED], acl,
+    later.append(cmd(pilot, pilot_records, task, ["acl_embed"], [SELECTION_SEED], acl,
                      preset=PILOT_PRESET))
     if task == ABLATION_TASK:
       # Its own study: it has one more axis than the per-exit ACL-CL runs in the same root.
-      later.append(cmd(multi, MULTI_RECORDS, task, ["acl_cl"], REPORT_SEEDS,
+      later.append(cmd(multi, multi_records, task, ["acl_cl"], REPORT_SEEDS,
                        {**acl, "gate_granularity": ("global",)}, **me,
                        study=multi.name + "_global_gate"))
   return stage1 + later
 
 
-def check_pinned_commit(checkout: pathlib.Path, pinned: str = PINNED_COMMIT) -> None:
-  """The runs must execute the pinned code: refuse a checkout at any other commit, or with
-  changes to its files."""
+def check_pinned_commit(checkout: pathlib.Path, comparison: Comparison) -> None:
+  """The runs must execute the comparison's code: refuse a checkout at any other commit, or
+  with changes to its files."""
+  tag, pinned = comparison.tag, comparison.commit
   git = lambda *a: subprocess.run(["git", "-C", str(checkout), *a], capture_output=True,
                                   text=True).stdout.strip()
   head = git("rev-parse", "HEAD")
   if head != pinned:
-    raise SystemExit(f"the fair comparison's runs execute {TAG} ({pinned[:12]}); {checkout} "
-                     f"is at {head[:12] or 'no commit'}: git worktree add --detach ../fair1 "
-                     f"{pinned[:12]}, and pass --checkout ../fair1")
+    worktree = f"../{tag.replace('-', '')}"
+    raise SystemExit(f"{tag}'s runs execute {pinned[:12]}; {checkout} is at "
+                     f"{head[:12] or 'no commit'}: git worktree add --detach {worktree} "
+                     f"{pinned[:12]}, and pass --checkout {worktree}")
   if git("status", "--porcelain", "--untracked-files=no"):
-    raise SystemExit(f"{checkout} has changes to {TAG}'s files; the runs must execute it as "
+    raise SystemExit(f"{checkout} has changes to {tag}'s files; the runs must execute it as "
                      "committed")
 
 
-def check_this_machine(runs: list[dict], here: str, cpu: str) -> None:
+def check_this_machine(runs: list[dict], here: str, cpu: str, tag: str) -> None:
   """A session on another machine type adds no runs to the comparison: its dev metrics could
   differ in the last bits, and so could a choice. The type is the CPU's model name and its
   feature flags (the fingerprint): XLA compiles for the flags it finds, and on an "AMD EPYC,
@@ -389,11 +441,12 @@ def check_this_machine(runs: list[dict], here: str, cpu: str) -> None:
   kinds = sorted({(str(run["machine"]), str(run["cpu"])) for run in runs})
   if kinds and kinds != [(here, cpu)]:
     raise SystemExit(
-        f"this machine is {here!r} with CPU fingerprint {cpu}, and the records of {TAG} come "
+        f"this machine is {here!r} with CPU fingerprint {cpu}, and the records of {tag} come "
         f"from {' and '.join(f'{m!r} with CPU fingerprint {c}' for m, c in kinds)} "
         "(host.cpu_fingerprint: the model name and feature flags, for which XLA compiles): "
-        "run on that machine type, or start a new comparison (a new tag and records "
-        "directory) for this one")
+        f"run on that machine type, or run the comparison of this one (--comparison; "
+        f"{', '.join(COMPARISONS)}), or add one for it to fair.COMPARISONS (a new tag, "
+        "from zero)")
 
 
 def check_run_directories(roots: list[pathlib.Path], cpu: str) -> None:

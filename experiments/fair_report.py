@@ -24,9 +24,9 @@ import numpy as np
 
 import summarize
 from summarize import pm
-from fair import (ABLATION_TASK, AUX_WEIGHTS, GRID, LEARNING_RATES, MULTI_EXIT, PILOT_RECORDS,
-                  REPORT_SEEDS, SELECTION_SEED, SINGLE_EXIT, TAG, TASKS, TEMPERATURES,
-                  check_one_commit_and_machine, choices, multi_exit_runs, read_records, score,
+from fair import (ABLATION_TASK, AUX_WEIGHTS, GRID, LEARNING_RATES, MULTI_EXIT, REPORT_SEEDS,
+                  SELECTION_SEED, SINGLE_EXIT, TASKS, TEMPERATURES, Comparison,
+                  check_one_commit_and_machine, choices, multi_exit_runs, score,
                   single_exit_runs, value_of)
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
@@ -38,16 +38,17 @@ LABELS = {"ce": "CE", "scl": "CE+SCL", "acl_embed": "ACL-Embed", "acl": "ACL", "
 TASK_NAMES = {"rte": "RTE", "mrpc": "MRPC", "cola": "CoLA"}
 
 
-def write_tables(single: list[dict], multi: list[dict]) -> None:
-  """The `tables` stage: the two tables' .md and .jsonl, the figures and the pilots."""
-  check_one_commit_and_machine(single + multi)
+def write_tables(comparison: Comparison) -> None:
+  """The `tables` stage: the comparison's two tables' .md and .jsonl, its figures and pilots."""
+  single, multi, pilot = comparison.read()
+  check_one_commit_and_machine(single + multi + pilot)
   for name, text, rows in (("fair_single_exit", *single_exit_table(single)),
                            ("fair_multi_exit", *multi_exit_table(multi, single))):
     (RESULTS / f"{name}.md").write_text(text)
     (RESULTS / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     print(f"wrote {RESULTS / name}.md and .jsonl ({len(rows)} runs)")
-  draw_tradeoffs(multi, single)
-  draw_pilots(read_records(PILOT_RECORDS), single)
+  draw_tradeoffs(multi, single, comparison.tag)
+  draw_pilots(pilot, single)
 
 
 # ---- statistics ------------------------------------------------------------------------------
@@ -386,7 +387,7 @@ def summary(single: list[dict], multi: list[dict]) -> str:
   return "\n".join(f"- **{title}.** {claim(single, multi)[0]}" for title, claim in CLAIMS)
 
 
-def draw_tradeoffs(multi: list[dict], single: list[dict]) -> dict[str, list[str]]:
+def draw_tradeoffs(multi: list[dict], single: list[dict], tag: str) -> dict[str, list[str]]:
   """fair_multi_exit_<task>.png: per policy, each objective's Pareto front over its report
   seeds (averaged threshold by threshold), from every cell whose runs are all swept. Returns
   the labels drawn per task."""
@@ -402,7 +403,7 @@ def draw_tradeoffs(multi: list[dict], single: list[dict]) -> dict[str, list[str]
     if results:
       path = RESULTS / f"fair_multi_exit_{task}.png"
       early_exit.plot(results, path, labels=labels,
-                      title=f"{TASK_NAMES[task]}, MiniLM, mean-pooled exits, seeds 1-3 ({TAG})")
+                      title=f"{TASK_NAMES[task]}, MiniLM, mean-pooled exits, seeds 1-3 ({tag})")
       print(f"wrote {path}")
       drawn[task] = list(dict.fromkeys(labels))
   return drawn

@@ -690,42 +690,53 @@ def block_layer_probe() -> str:
 
 @functools.cache
 def _fair():
-  """fair_report.py and the comparison's records: single exit, multi-exit, pilot."""
+  """fair_report.py, and each comparison of fair.COMPARISONS with its records (single exit,
+  multi-exit, pilot)."""
   import fair_report  # experiments/, beside this file
-  from fair import MULTI_RECORDS, PILOT_RECORDS, SINGLE_RECORDS, read_records
-  return (fair_report, *(read_records(d) for d in (SINGLE_RECORDS, MULTI_RECORDS,
-                                                   PILOT_RECORDS)))
+  from fair import COMPARISONS
+  return fair_report, [(c, *c.read()) for c in COMPARISONS.values()]
+
+
+def _each_fair(render) -> str:
+  """render(report, single, multi, pilot) for each comparison that has records, under its tag
+  (a comparison with none yet is only in fair_progress)."""
+  report, comparisons = _fair()
+  return "\n\n".join(
+      f"**{c.tag}** (commit {c.commit[:7]}, CPU fingerprint "
+      + ", ".join(sorted({str(r["cpu"]) for r in single + multi + pilot})) + ")\n\n"
+      + render(report, single, multi, pilot)
+      for c, single, multi, pilot in comparisons if single + multi + pilot)
 
 
 def block_fair_progress() -> str:
-  report, single, multi, pilot = _fair()
-  return report.progress(single, multi, pilot)
+  report, comparisons = _fair()
+  return "\n".join(f"- **{c.tag}** (its runs execute {c.commit[:7]}): "
+                   + report.progress(single, multi, pilot)
+                   for c, single, multi, pilot in comparisons)
 
 
 def block_fair_selection() -> str:
-  report, single, _, _ = _fair()
-  return report.selection_table(single)
+  return _each_fair(lambda report, single, multi, pilot: report.selection_table(single))
 
 
 def block_fair_single_exit() -> str:
-  report, single, _, _ = _fair()
-  return report.single_exit_table(single)[0]
+  return _each_fair(lambda report, single, multi, pilot: report.single_exit_table(single)[0])
 
 
 def block_fair_multi_exit() -> str:
-  report, single, multi, _ = _fair()
-  return report.multi_exit_table(multi, single)[0]
+  return _each_fair(lambda report, single, multi, pilot:
+                    report.multi_exit_table(multi, single)[0])
 
 
 def block_fair_answers() -> str:
-  report, single, multi, _ = _fair()
-  return report.answers(single, multi)
+  return _each_fair(lambda report, single, multi, pilot: report.answers(single, multi))
 
 
 def block_fair_cross_cpu() -> str:
   """Which CPU fair-1's records come from, and those records repeated on a machine of another
   type by experiments/repeat_record.py (results/cross_cpu_repeats_fair_1.jsonl)."""
-  _, single, multi, pilot = _fair()
+  _, comparisons = _fair()
+  _, single, multi, pilot = comparisons[0]  # fair-1, whose records were repeated
   kinds = collections.Counter((r["machine"], r["cpu"]) for r in single + multi + pilot)
   lines = ["fair-1's records: " + "; ".join(f"{n} on {m} with CPU fingerprint {c}"
                                             for (m, c), n in sorted(kinds.items())) + "."]
@@ -757,8 +768,7 @@ def block_fair_cross_cpu() -> str:
 
 def block_fair_summary() -> str:
   """The top-level README's summary of the answers."""
-  report, single, multi, _ = _fair()
-  return report.summary(single, multi)
+  return _each_fair(lambda report, single, multi, pilot: report.summary(single, multi))
 
 
 BLOCKS = {name[len("block_"):]: fn for name, fn in globals().items() if name.startswith("block_")}

@@ -19,6 +19,7 @@ import fair
 import fair_report
 import run_grid
 
+FAIR_1 = fair.COMPARISONS["fair-1"]
 COMMIT, MACHINE = "5eb4784f7ffe", "AMD EPYC, 2 cores"  # as acl_jax.host.machine() writes it
 CPU = "4202c509659cc6d0"  # acl_jax.host.cpu_fingerprint(): the model name and feature flags
 
@@ -83,7 +84,7 @@ def test_each_stage_is_planned_once_the_choices_it_needs_are_made(tmp_path):
                            "scl": {"learning_rate": 1e-4, "aux_weight": 0.3, "temperature": 0.1},
                            "acl": {"learning_rate": 1e-4, "aux_weight": 0.1, "temperature": 0.1}}
   assert chosen["mrpc"] == {"ce": None, "scl": None, "acl": None}
-  commands = [" ".join(c) for c in fair.next_commands(runs, tmp_path / "fair_1")]
+  commands = [" ".join(c) for c in fair.next_commands(runs, tmp_path / "fair_1", FAIR_1)]
   mrpc = [c for c in commands if "--tasks mrpc" in c]
   assert len(mrpc) == 1 and "--grid learning_rate=5e-05,0.0001,0.0002" in mrpc[0]
   rte = [c for c in commands if "--tasks rte" in c]
@@ -108,13 +109,37 @@ def test_no_two_commands_share_a_study_over_other_axes(tmp_path):
   run the other command's queued points at its own values): the plan never asks for that."""
   selection(tmp_path, "rte", scl={(0.3, 0.1): 0.8}, acl={(0.9, 0.5): 0.9})
   studies = {}
-  for command in fair.next_commands(fair.read_records(tmp_path), tmp_path / "fair_1"):
+  for command in fair.next_commands(fair.read_records(tmp_path), tmp_path / "fair_1",
+                                    FAIR_1):
     args = run_grid.parse_args(command[1:])
     root = args.root
     for cell in run_grid.make_cells(args, root):
       axes = studies.setdefault((root, cell.study_name), set(cell.distributions))
       assert axes == set(cell.distributions), (cell.study_name, " ".join(command))
   assert (tmp_path / "fair_1_multi_exit", "fair_1_multi_exit_global_gate/rte/acl_cl") in studies
+
+
+def test_each_comparison_plans_from_and_records_into_its_own_directories(
+    tmp_path, monkeypatch, capsys):
+  """`plan --comparison fair-2` reads fair-2's records alone and sends every run's record to
+  fair-2's directories: fair-1's choices and records never reach it."""
+  fair_2 = fair.Comparison("fair-2", "0" * 40, records=tmp_path / "records")
+  monkeypatch.setitem(fair.COMPARISONS, "fair-2", fair_2)
+  assert [d.name for d in (fair_2.single_records, fair_2.multi_records,
+                           fair_2.pilot_records)] == ["fair_2", "fair_2_multi_exit", "fair_2_pilot"]
+  selection(fair_2.single_records, "rte", scl={(0.3, 0.1): 0.8}, acl={(0.9, 0.5): 0.9})
+  selection(tmp_path / "records" / "fair_1", "mrpc")  # fair-1's: MRPC's CE chosen there
+  fair.main(["plan", "--comparison", "fair-2", "--root", str(tmp_path / "runs" / "fair_2")])
+  out = capsys.readouterr().out
+  assert "rte: ce: learning_rate=0.0001; scl: learning_rate=0.0001" in out
+  assert "mrpc: ce: not yet" in out
+  commands = [line.split("] ", 1)[1].split() for line in out.splitlines() if "run_grid.py" in line]
+  records = {c[c.index("--records") + 1] for c in commands}
+  assert records == {str(d) for d in (fair_2.single_records, fair_2.multi_records,
+                                      fair_2.pilot_records)}
+  roots = {pathlib.Path(c[c.index("--root") + 1]).name for c in commands}
+  assert roots == {"fair_2", "fair_2_report", "fair_2_multi_exit", "fair_2_pilot"}
+  assert not any("fair_1" in " ".join(c) for c in commands)
 
 
 def test_the_single_exit_table_compares_each_objective_with_ce(tmp_path):
@@ -193,14 +218,16 @@ def test_one_comparison_keeps_one_commit_and_one_machine(tmp_path):
 def test_a_session_on_another_machine_type_adds_no_runs(tmp_path):
   write_record(tmp_path, "rte", "ce", 0, 0.6)
   runs = fair.read_records(tmp_path)
-  fair.check_this_machine(runs, MACHINE, CPU)
-  fair.check_this_machine([], "Intel(R) Xeon(R) Processor, 2 cores", "0" * 16)  # the first decides
+  fair.check_this_machine(runs, MACHINE, CPU, "fair-1")
+  fair.check_this_machine([], "Intel(R) Xeon(R) Processor, 2 cores", "0" * 16,  # the first
+                          "fair-1")                                             # decides
   with pytest.raises(SystemExit, match="this machine is 'Intel.*come from 'AMD EPYC, 2 cores'"):
-    fair.check_this_machine(runs, "Intel(R) Xeon(R) Processor, 2 cores", CPU)
+    fair.check_this_machine(runs, "Intel(R) Xeon(R) Processor, 2 cores", CPU, "fair-1")
   with pytest.raises(SystemExit, match=(
       "this machine is 'AMD EPYC, 2 cores' with CPU fingerprint e51468c5bac4503e, and the "
-      "records of fair-1 come from 'AMD EPYC, 2 cores' with CPU fingerprint 4202c509659cc6d0")):
-    fair.check_this_machine(runs, MACHINE, "e51468c5bac4503e")
+      "records of fair-1 come from 'AMD EPYC, 2 cores' with CPU fingerprint 4202c509659cc6d0.*"
+      r"the comparison of this one \(--comparison; fair-1, fair-2\)")):
+    fair.check_this_machine(runs, MACHINE, "e51468c5bac4503e", "fair-1")
 
 
 def test_a_run_directory_from_another_machine_type_is_refused(tmp_path):
@@ -229,11 +256,14 @@ def test_a_run_directory_from_another_machine_type_is_refused(tmp_path):
     fair.check_run_directories(roots, "e51468c5bac4503e")
 
 
-def test_the_committed_records_name_one_cpu():
-  """fair-1's records name their CPU only by their compilation cache directory: each must."""
-  runs = [run for directory in (fair.SINGLE_RECORDS, fair.MULTI_RECORDS, fair.PILOT_RECORDS)
-          for run in fair.read_records(directory)]
-  assert runs and len({run["cpu"] for run in runs}) == 1 and runs[0]["cpu"] is not None
+@pytest.mark.parametrize("tag", fair.COMPARISONS)
+def test_the_committed_records_of_a_comparison_name_one_cpu_and_its_commit(tag):
+  """Each comparison's records name one CPU (fair-1's only by their compilation cache
+  directory), and the commit the comparison pins."""
+  comparison = fair.COMPARISONS[tag]
+  runs = [run for records in comparison.read() for run in records]
+  assert runs or tag != "fair-1"
+  assert all(run["cpu"] is not None and run["commit"] == comparison.commit for run in runs)
   fair.check_one_commit_and_machine(runs)
 
 
@@ -244,14 +274,15 @@ def test_runs_execute_only_the_tagged_commit(tmp_path):
   (tmp_path / "f").write_text("a")
   git("add", "f")
   git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "a")
-  pinned = git("rev-parse", "HEAD").stdout.strip()
-  fair.check_pinned_commit(tmp_path, pinned)
+  comparison = fair.Comparison("fair-9", git("rev-parse", "HEAD").stdout.strip())
+  fair.check_pinned_commit(tmp_path, comparison)
   (tmp_path / "f").write_text("b")
-  with pytest.raises(SystemExit, match="has changes"):
-    fair.check_pinned_commit(tmp_path, pinned)
+  with pytest.raises(SystemExit, match="has changes to fair-9's files"):
+    fair.check_pinned_commit(tmp_path, comparison)
   git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "b")
-  with pytest.raises(SystemExit, match=f"execute {fair.TAG}"):
-    fair.check_pinned_commit(tmp_path, pinned)
+  with pytest.raises(SystemExit, match=f"fair-9's runs execute {comparison.commit[:12]}; .* "
+                     "git worktree add --detach ../fair9"):
+    fair.check_pinned_commit(tmp_path, comparison)
 
 
 @pytest.mark.parametrize("run_grid_exit", [fair.PREEMPTED, 1])
@@ -268,9 +299,9 @@ def test_run_exits_75_when_a_run_is_stopped_and_1_naming_the_commands_whose_runs
   git("init", "-q")
   git("add", ".")
   git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "a")
-  monkeypatch.setattr(fair, "PINNED_COMMIT", git("rev-parse", "HEAD"))
-  for name in ("SINGLE_RECORDS", "MULTI_RECORDS", "PILOT_RECORDS"):  # none yet: any machine
-    monkeypatch.setattr(fair, name, tmp_path / name)
+  # No records yet: any machine.
+  monkeypatch.setitem(fair.COMPARISONS, "fair-1", fair.Comparison(
+      "fair-1", git("rev-parse", "HEAD"), records=tmp_path / "records"))
   previous = signal.getsignal(signal.SIGTERM)  # main passes SIGTERM on to its children
   try:
     with pytest.raises(SystemExit) as stopped:
@@ -387,7 +418,8 @@ def test_the_tradeoff_figures_draw_each_fully_swept_cell(tmp_path, monkeypatch):
                    multi_exit=True, gate=gate, early_exit=sweep("acl_cl"))
     write_record(tmp_path / "multi", "rte", "kd", seed, 0.6, multi_exit=True,
                  early_exit=sweep("ce") if seed < 3 else None)  # seed 3 not swept
-  drawn = fair_report.draw_tradeoffs(*(fair.read_records(tmp_path / d) for d in ("multi", "single")))
+  drawn = fair_report.draw_tradeoffs(*(fair.read_records(tmp_path / d) for d in ("multi", "single")),
+                                     "fair-1")
   assert drawn == {"rte": ["CE", "ACL-CL", "ACL-CL (global gate)"]}
   assert (tmp_path / "results" / "fair_multi_exit_rte.png").stat().st_size > 10_000
 
