@@ -42,9 +42,14 @@ def write_tables(comparison: Comparison) -> None:
   """The `tables` stage: the comparison's two tables' .md and .jsonl, its figures and pilots."""
   single, multi, pilot = comparison.read()
   check_one_commit_and_machine(single + multi + pilot)
+  # Each comparison writes the same files: the .md says whose they are (each .jsonl line
+  # names its commit and machine).
+  kinds = sorted({f"{r['machine']} (CPU fingerprint {r['cpu']})" for r in single + multi})
+  whose = (f"{comparison.tag}: commit {comparison.commit[:7]}, "
+           f"{', '.join(kinds) or 'no runs recorded yet'}.\n\n")
   for name, text, rows in (("fair_single_exit", *single_exit_table(single)),
                            ("fair_multi_exit", *multi_exit_table(multi, single))):
-    (RESULTS / f"{name}.md").write_text(text)
+    (RESULTS / f"{name}.md").write_text(whose + text)
     (RESULTS / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     print(f"wrote {RESULTS / name}.md and .jsonl ({len(rows)} runs)")
   draw_tradeoffs(multi, single, comparison.tag)

@@ -424,6 +424,27 @@ def test_the_tradeoff_figures_draw_each_fully_swept_cell(tmp_path, monkeypatch):
   assert (tmp_path / "results" / "fair_multi_exit_rte.png").stat().st_size > 10_000
 
 
+def test_tables_writes_the_chosen_comparisons_tables_and_says_whose(tmp_path, monkeypatch):
+  """`tables --comparison fair-2`: fair-2's report runs, one .jsonl line each, in .md tables
+  headed by the comparison, its commit and its machine; fair-1's records stay out."""
+  monkeypatch.setattr(fair_report, "RESULTS", tmp_path / "results")
+  (tmp_path / "results").mkdir()
+  fair_2 = fair.Comparison("fair-2", "a" * 40, records=tmp_path / "records")
+  monkeypatch.setitem(fair.COMPARISONS, "fair-2", fair_2)
+  selection(fair_2.single_records, "rte", scl={(0.3, 0.1): 0.8}, acl={(0.9, 0.5): 0.9})
+  report(fair_2.single_records, "rte", {"ce": [0.60, 0.62, 0.61], "acl": [0.66, 0.70, 0.65]})
+  report(tmp_path / "records" / "fair_1", "rte", {"ce": [0.1, 0.1, 0.1]})
+  fair.main(["tables", "--comparison", "fair-2"])
+  text = (tmp_path / "results" / "fair_single_exit.md").read_text()
+  assert text.startswith(f"fair-2: commit aaaaaaa, {MACHINE} (CPU fingerprint {CPU}).\n\n| task")
+  assert "| rte | acl | 0.0001, 0.9, 0.5 | 1,2,3 | 0.6700 ± 0.0265 | +0.0600 |" in text
+  rows = [json.loads(line) for line in
+          (tmp_path / "results" / "fair_single_exit.jsonl").read_text().splitlines()]
+  assert sorted((r["objective"], r["seed"]) for r in rows) == [
+      (o, s) for o in ("acl", "ce") for s in (1, 2, 3)]
+  assert (tmp_path / "results" / "fair_multi_exit.md").read_text().startswith("fair-2: commit")
+
+
 def test_the_multi_exit_answer_once_every_cell_is_in(tmp_path):
   """ACL-CL beats every other objective at 2x on RTE only, and its exit 1 (half its average
   here) is above CE's on RTE only; at 1.5x and elsewhere the objectives tie."""
