@@ -163,7 +163,7 @@ def main(argv=None):
                      f"({comparison.commit[:7]}), whose code the runs execute")
   checkout = args.checkout.resolve()
   check_pinned_commit(checkout, comparison)
-  check_one_commit_and_machine(single + multi)
+  check_one_commit_and_machine(single + multi + pilot)
   check_this_machine(single + multi + pilot, host.machine(), host.cpu_fingerprint(),
                      comparison.tag)
   check_run_directories(run_roots(root), host.cpu_fingerprint())
