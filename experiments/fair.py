@@ -144,12 +144,12 @@ def main(argv=None):
                       "--detach ../fair1 5eb4784 for fair-1)")
   args = parser.parse_args(argv)
   comparison = COMPARISONS[args.comparison]
-  root = (args.root or pathlib.Path("runs") / comparison.name).resolve()
-  single, multi, pilot = comparison.read()
   if args.stage == "tables":
     import fair_report  # experiments/, beside this script
     fair_report.write_tables(comparison)
     return
+  root = (args.root or pathlib.Path("runs") / comparison.name).resolve()
+  single, multi, pilot = comparison.read()
   print(describe_choices(single))
   todo = to_do(next_commands(single, root, comparison))
   if args.stage == "plan":

@@ -44,9 +44,8 @@ def write_tables(comparison: Comparison) -> None:
   check_one_commit_and_machine(single + multi + pilot)
   # Each comparison writes the same files: the .md says whose they are (each .jsonl line
   # names its commit and machine).
-  kinds = sorted({f"{r['machine']} (CPU fingerprint {r['cpu']})" for r in single + multi})
   whose = (f"{comparison.tag}: commit {comparison.commit[:7]}, "
-           f"{', '.join(kinds) or 'no runs recorded yet'}.\n\n")
+           f"{machines(single + multi) or 'no runs recorded yet'}.\n\n")
   for name, text, rows in (("fair_single_exit", *single_exit_table(single)),
                            ("fair_multi_exit", *multi_exit_table(multi, single))):
     (RESULTS / f"{name}.md").write_text(whose + text)
@@ -195,11 +194,14 @@ def progress(single: list[dict], multi: list[dict], pilot: list[dict]) -> str:
       f"multi-exit report {sum(len(runs) for *_, runs in cells)} of "
       f"{(len(TASKS) * len(MULTI_EXIT) + 1) * len(REPORT_SEEDS)}",
       f"pilot {len(pilot)} of {len(TASKS) * 2}"]
-  machines = sorted({f"{r['machine']} (CPU fingerprint {r['cpu']})"
-                     for r in single + multi + pilot})
   commits = sorted({str(r["commit"])[:7] for r in single + multi + pilot})
   return ("Runs recorded: " + "; ".join(counts) + ". Commit " + (", ".join(commits) or "-")
-          + "; machine " + (", ".join(machines) or "-") + ".")
+          + "; machine " + (machines(single + multi + pilot) or "-") + ".")
+
+
+def machines(runs: list[dict]) -> str:
+  """The machine types the runs name: "AMD EPYC, 2 cores (CPU fingerprint 4202...)"."""
+  return ", ".join(sorted({f"{r['machine']} (CPU fingerprint {r['cpu']})" for r in runs}))
 
 
 def selection_table(single: list[dict]) -> str:
