@@ -28,7 +28,7 @@ several machines share them: run the same command with the same --storage on eac
 
 A worker first queues every point that no trial has done or holds (Optuna's WAITING trials),
 then takes queued trials one at a time (the storage hands each WAITING trial to one worker
-only). Workers that start together may queue a point twice; a trial whose point an earlier
+only; on SQLite because every transaction begins with BEGIN IMMEDIATE). Workers that start together may queue a point twice; a trial whose point an earlier
 trial already holds or has done is closed as PRUNED (user attribute duplicate_of) without
 running, so no point trains twice. Each running trial beats a heartbeat into an SQL storage
 (--heartbeat seconds); a trial whose worker died stops beating and, two beats later, the next
@@ -268,15 +268,39 @@ def open_storage(url: str, heartbeat: int) -> optuna.storages.BaseStorage:
   engine_kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else None
   for attempt in range(3):
     try:
-      return optuna.storages.RDBStorage(
+      storage = optuna.storages.RDBStorage(
           url, engine_kwargs=engine_kwargs, heartbeat_interval=heartbeat,
           heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback())
+      if url.startswith("sqlite"):
+        lock_sqlite_transactions(storage.engine)
+      return storage
     except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.OperationalError):
       # Workers that start together on a new database both create its tables and version row
       # (Optuna checks, then writes); the one that loses finds them there when it tries again.
       if attempt == 2:
         raise
       time.sleep(1)
+
+
+def lock_sqlite_transactions(engine: sqlalchemy.Engine) -> None:
+  """Makes every transaction on `engine` take SQLite's write lock when it begins.
+
+  A worker takes a queued trial by reading that it is WAITING and then setting it RUNNING in
+  one transaction; Optuna locks the row with SELECT ... FOR UPDATE, which SQLite ignores, and
+  Python's sqlite3 opens the transaction only at the UPDATE. So two processes could both read
+  WAITING and both run the trial (4 processes popping 200 queued trials popped 236). BEGIN
+  IMMEDIATE makes the read and the write one step; the SQLAlchemy recipe for pysqlite.
+  """
+  @sqlalchemy.event.listens_for(engine, "connect")
+  def _no_implicit_transactions(dbapi_connection, connection_record):
+    del connection_record
+    dbapi_connection.isolation_level = None  # sqlite3 leaves BEGIN to SQLAlchemy
+
+  @sqlalchemy.event.listens_for(engine, "begin")
+  def _begin_immediate(connection):
+    connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+  engine.dispose()  # the pooled connections that opened the storage predate the listeners
 
 
 def load_study(storage, cell: Cell, *, create: bool = True) -> optuna.Study | None:

@@ -99,6 +99,38 @@ def trainings(workdir: pathlib.Path) -> int:
   return (workdir / "log.txt").read_text().count(" train examples, ")
 
 
+POP_QUEUED_TRIALS = """
+import json, sys
+import optuna
+import run_grid
+optuna.logging.set_verbosity(optuna.logging.ERROR)
+url, queued = sys.argv[1], int(sys.argv[2])
+study = optuna.load_study(study_name="queue", storage=run_grid.open_storage(url, heartbeat=60))
+popped = []
+while (trial := study.ask()).number < queued:  # past the queue, ask() makes a new trial
+  popped.append(trial.number)
+print(json.dumps(popped))
+"""
+
+
+def test_each_queued_trial_goes_to_one_process(tmp_path):
+  """Processes taking queued trials from one SQLite study at once never take the same one.
+  (Optuna's WAITING -> RUNNING check-and-set is not atomic on SQLite by itself: without
+  run_grid's BEGIN IMMEDIATE, 4 processes took 236 trials from a queue of 200.)"""
+  url, queued = f"sqlite:///{tmp_path / 'queue.db'}", 120
+  study = optuna.create_study(study_name="queue", storage=run_grid.open_storage(url, 60))
+  for _ in range(queued):
+    study.add_trial(optuna.trial.create_trial(state=optuna.trial.TrialState.WAITING))
+  env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "experiments"), "PYTHONWARNINGS": "ignore"}
+  workers = [subprocess.Popen([sys.executable, "-c", POP_QUEUED_TRIALS, url, str(queued)],
+                              env=env, stdout=subprocess.PIPE, text=True) for _ in range(4)]
+  popped = [json.loads(worker.communicate(timeout=300)[0]) for worker in workers]
+  assert [worker.returncode for worker in workers] == [0] * 4
+  taken = sorted(n for numbers in popped for n in numbers)
+  twice = sorted({n for n in taken if taken.count(n) > 1})
+  assert taken == list(range(queued)), f"trials taken twice: {twice}"
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two usable cores")
 def test_two_worker_processes_share_one_study(tiny_bert_dir, grid_env, tmp_path):
   """Two processes at once (one with two pinned workers) on one SQLite study: every point of
