@@ -16,7 +16,6 @@ Prints JSON lines (also appended to --out):
 
 import argparse
 import json
-import pathlib
 import statistics
 import time
 

@@ -32,7 +32,6 @@ from acl_jax import data
 from acl_jax import exit_gate
 from acl_jax import hf_weights
 from acl_jax import host
-from acl_jax import losses
 from acl_jax import models
 from acl_jax import objectives
 from acl_jax import optim

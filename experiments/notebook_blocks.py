@@ -157,7 +157,7 @@ def block_hf_pytorch() -> str:
                        for r in jsonl("hf_pytorch_glue.jsonl"))
   return (table(["task", "metric", "PyTorch seeds", "HF PyTorch dev (per seed)", "PyTorch",
                  "acl_jax dev (seeds 0,1,2)", "acl_jax mean ± std"], rows)
-          + f"\n\nPyTorch wall seconds, beside other work (not a speed comparison): "
+          + "\n\nPyTorch wall seconds, beside other work (not a speed comparison): "
           + ", ".join(f"{TASK_NAMES[t]} {w}" for t, w in walls.items())
           + f". PyTorch machines: {machines}.")
 
@@ -295,7 +295,7 @@ def block_bench_microbatch() -> str:
                  "examples/s"], steps) + "\n\n"
         + table(["ratio (same run)", "value", "target", "met"], ratios)
         + ("" if not largest else "\n\n" + table(
-            [f"micro-batch", f"largest batch within {budget:g} GiB (doubling)",
+            ["micro-batch", f"largest batch within {budget:g} GiB (doubling)",
              "first over", "search limit reached", "probes: batch: XLA buffers GiB"], largest)))
   return "\n\n".join(parts)
 
@@ -371,7 +371,7 @@ def block_me_findings() -> str:
       f"{sum(all(constant('cola', s) for s in exit_scores(r)[:3]) for r in cola_not_cl)} of the "
       f"{len(cola_not_cl)} runs of CE, KD, DeeBERT and ACL. ACL-CL's exit 3, seeds 0, 1, 2: "
       + ", ".join(f"{exit_scores(r)[2]:.3f}" for r in cola_cl)
-      + f"; its exit 6: " + ", ".join(f"{exit_scores(r)[5]:.3f}" for r in cola_cl)
+      + "; its exit 6: " + ", ".join(f"{exit_scores(r)[5]:.3f}" for r in cola_cl)
       + f" (mean {pm([exit_scores(r)[5] for r in cola_cl])}) against CE's "
       f"{pm([exit_scores(r)[5] for r in cola_ce])}.",
       "- Final exit's training CE at the last logged batch, CoLA seeds 0, 1, 2: "

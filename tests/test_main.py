@@ -109,7 +109,7 @@ def test_console_shows_progress_evaluations_and_results_not_library_chatter(tiny
   assert code == 0, console[-3000:]
   assert "rte train:" in console and "40/40" in console  # the progress bar, at its end
   assert "step 20: validation accuracy=" in console and "step 40: validation accuracy=" in console
-  assert f"Done: validation/accuracy" in console and str(workdir / "eval_results.json") in console
+  assert "Done: validation/accuracy" in console and str(workdir / "eval_results.json") in console
   # orbax dumps its options at INFO for every checkpoint manager: into run.log, not the console.
   assert "CheckpointManagerOptions" not in console
   assert "CheckpointManagerOptions" in (workdir / "run.log").read_text()

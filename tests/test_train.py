@@ -11,7 +11,6 @@ import pytest
 from acl_jax import config as config_lib
 from acl_jax import data
 from acl_jax import hf_weights
-from acl_jax import losses
 from acl_jax import metrics
 from acl_jax import objectives
 from acl_jax import optim
@@ -120,8 +119,6 @@ def test_rte_run_writes_the_run_directory(tiny_bert_dir, glue_dir, tmp_path):
 def test_eval_counts_every_dev_example_once(tiny_bert_dir, glue_dir, tmp_path):
   """The dev metric does not depend on the eval batch size (padded rows are masked out), and
   equals the metric of per-example predictions computed without any padding rows."""
-  from acl_jax import hf_weights
-  from acl_jax import metrics
   from acl_jax.models import bert
 
   task = data.get_task("rte")
@@ -163,7 +160,6 @@ def test_train_step_fits_one_batch(tiny_bert_dir, glue_dir, tmp_path):
   """The compiled step (donated state, dropout on) drives CE on one fixed batch towards 0.
   (60 steps: with dropout keyed per example, since commit ba47c14, this batch's loss stays near
   0.6 for about 28 steps before it falls, and was 0.095 at step 40.)"""
-  from acl_jax import hf_weights
   from acl_jax.models import bert
 
   task = data.get_task("rte")
