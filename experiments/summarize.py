@@ -156,8 +156,11 @@ def mean_std(values):
 
 
 def pm(values, fmt: str = ".3f") -> str:
-  """"0.612 ± 0.013": the mean ± sample std ("" for no values)."""
+  """"0.612 ± 0.013": the mean ± sample std; one value alone (a single run has no sample std);
+  "" for no values."""
   values = list(values)
+  if len(values) == 1:
+    return f"{values[0]:{fmt}}"
   return "{:{f}} ± {:{f}}".format(*mean_std(values), f=fmt) if values else ""
 
 

@@ -66,6 +66,13 @@ def test_seeds_are_grouped_and_earlier_summaries_merged(tmp_path):
   assert rows[0]["command"].startswith("python -m acl_jax.main --config=configs/glue.py:rte")
 
 
+def test_mean_and_sample_std_cells():
+  assert summarize.pm([0.5, 0.6], ".4f") == (
+      f"{statistics.fmean([0.5, 0.6]):.4f} ± {statistics.stdev([0.5, 0.6]):.4f}")
+  assert summarize.pm([0.5704], ".4f") == "0.5704"  # one run has no sample std: not "± nan"
+  assert summarize.pm([]) == ""
+
+
 def test_a_loss_weight_off_its_default_is_its_own_labelled_group(tmp_path):
   """Two ACL-CL runs with different mu are never averaged as if they were seeds; older records
   without the field count as the default. The defaults are acl_jax.config's."""
