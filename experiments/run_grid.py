@@ -30,8 +30,9 @@ A worker first queues every point that no trial has done or holds (Optuna's WAIT
 then takes queued trials one at a time (the storage hands each WAITING trial to one worker
 only; on SQLite because every transaction begins with BEGIN IMMEDIATE). Workers that start
 together may queue a point twice; a trial whose point an earlier trial already holds or has
-done is closed as PRUNED (user attribute duplicate_of) without running, so no point trains twice. Each running trial beats a heartbeat into an SQL storage
-(--heartbeat seconds); a trial whose worker died stops beating and, two beats later, the next
+done is closed as PRUNED (user attribute duplicate_of) without running, so no point trains
+twice. Each running trial beats a heartbeat into an SQL storage (--heartbeat seconds); a trial
+whose worker died stops beating and, two beats later, the next
 worker to look fails it and queues it again (Optuna's RetryHeartbeatStaleTrialCallback), and
 its run resumes from its checkpoint. A journal file has no heartbeat: there a killed worker's
 trial stays RUNNING. A trial whose run fails (a non-zero exit) is FAIL, and one whose run was
