@@ -192,7 +192,7 @@ def multi_exit_config(ckpt, glue_dir, preset):
   return tiny_run_config(ckpt, glue_dir, f"rte,multi_exit,{preset}")
 
 
-def test_deebert_second_stage_trains_only_the_off_ramps(setup, glue_dir, tmp_path):
+def test_deebert_second_stage_trains_only_the_off_ramps(setup, glue_dir):
   """Stage 2 trains each shallow exit's off-ramp (its own pooler and classifier) on the summed
   off-ramp losses, as DeeBERT does; the backbone and the final exit stay frozen."""
   ckpt, task, _, _, batches, _, _, _ = setup
@@ -209,15 +209,16 @@ def test_deebert_second_stage_trains_only_the_off_ramps(setup, glue_dir, tmp_pat
   make_step = lambda frozen: objectives.make_train_step(
       model, frozen_tx, frozen_schedule, task, config,
       objectives.Stage("other_exits", "ce", stages[1].exit_weights, frozen))
-  step = jax.jit(make_step(stages[1].frozen))
   state = optim.TrainState(step=jnp.asarray(3, jnp.int32), params=params,
                            opt_state=frozen_tx.init(params))
-  new_state, metrics = step(state, batches[0], jax.random.key(0))
+  args = (state, batches[0], jax.random.key(0))
+  compile_step = lambda frozen: jax.jit(make_step(frozen)).lower(*args).compile()
+  step = compile_step(stages[1].frozen)
+  new_state, metrics = step(*args)
   # Nothing reads the frozen gradients, so XLA drops the backbone's backward pass: the step
   # costs well under the one that logs the norm of every gradient (about 2.7x fewer FLOPs).
-  flops = lambda s: s.lower(state, batches[0], jax.random.key(0)).compile().cost_analysis()[
-      "flops"]
-  assert flops(step) < 0.6 * flops(jax.jit(make_step(None)))
+  flops = lambda compiled: compiled.cost_analysis()["flops"]
+  assert flops(step) < 0.6 * flops(compile_step(None))
   # ... and the logged grad_norm is the off-ramps' gradient norm (what clipping sees).
   g_ce, _ = reference_grads(model, params, batches[0], jax.random.fold_in(jax.random.key(0), 3),
                             jnp.asarray(stages[1].exit_weights), "kd")
@@ -235,10 +236,7 @@ def test_deebert_second_stage_trains_only_the_off_ramps(setup, glue_dir, tmp_pat
                                                          jax.tree.leaves(new_state.params[root]))]
     assert all(changed)
 
-  config.warmup_ratio = 0.1
-  results = train.train_and_evaluate(config, str(tmp_path / "deebert"))
-  assert [h["stage"] for h in results["history"]] == ["final_exit", "other_exits"]
-  assert results["train"]["steps"] == 4
+  # Both stages in one run, and across their boundary after a crash: test_run_dir.
   shared = multi_exit_config(ckpt, glue_dir, "max_steps=2")
   shared.objective = "deebert"
   with pytest.raises(ValueError, match="pooler_weights=per_exit"):

@@ -98,6 +98,9 @@ def test_deebert_resumes_at_and_after_its_stage_boundary(tiny_bert_dir, glue_dir
                            learning_rate=1e-3)
   reference = train.train_and_evaluate(config, tmp_path / "reference")
   ref_params = run_dir.load_params(tmp_path / "reference")[0]
+  # max_steps per stage: the final exit with the backbone, then the off-ramps.
+  assert [h["stage"] for h in reference["history"]] == ["final_exit", "other_exits"]
+  assert reference["train"]["steps"] == 12
 
   # One run crashes right after the stage-1 end checkpoint, resumes, crashes again inside
   # stage 2, and resumes to the end.
