@@ -10,6 +10,7 @@ import pytest
 
 from acl_jax import config as config_lib
 from acl_jax import data
+from acl_jax import early_exit
 from acl_jax import hf_weights
 from acl_jax import metrics
 from acl_jax import objectives
@@ -114,6 +115,9 @@ def test_rte_run_writes_the_run_directory(tiny_bert_dir, glue_dir, tmp_path):
   assert results["final"]["step"] == 6
   assert 0.0 <= results["final"]["validation"]["accuracy"] <= 1.0
   assert results["train"]["steps"] == 6
+  # --mode=early_exit refuses it by name (it has one exit).
+  with pytest.raises(ValueError, match="single-exit run; early exit needs a multi-exit one"):
+    early_exit.run_on_workdir(workdir)
 
 
 def test_eval_counts_every_dev_example_once(tiny_bert_dir, glue_dir, tmp_path):
