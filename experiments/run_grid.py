@@ -26,19 +26,18 @@ studies live in `--storage` (default sqlite:///<root>/study.db); any Optuna stor
 (postgresql://, mysql://, sqlite:///shared/path.db) or a journal file path lets workers on
 several machines share them: run the same command with the same --storage on each.
 
-A worker first queues every point that no trial has done or holds (Optuna's WAITING trials),
-then takes queued trials one at a time (the storage hands each WAITING trial to one worker
-only; on SQLite because every transaction begins with BEGIN IMMEDIATE). Workers that start
-together may queue a point twice; a trial whose point an earlier trial already holds or has
-done is closed as PRUNED (user attribute duplicate_of) without running, so no point trains
-twice. Each running trial beats a heartbeat into an SQL storage (--heartbeat seconds); a trial
-whose worker died stops beating and, two beats later, the next
-worker to look fails it and queues it again (Optuna's RetryHeartbeatStaleTrialCallback), and
-its run resumes from its checkpoint. A journal file has no heartbeat: there a killed worker's
-trial stays RUNNING. A trial whose run fails (a non-zero exit) is FAIL, and one whose run was
-stopped (exit 75) is PRUNED; either is queued again only when the command is run again. A point
-counts as done without training when its eval_results.json exists, in its workdir or in its
-record: the trial then reads its value.
+A worker first queues every point that no trial has done or holds (Optuna's WAITING trials), then
+takes queued trials one at a time (the storage hands each WAITING trial to one worker only; on
+SQLite because every transaction begins with BEGIN IMMEDIATE). Workers that start together may queue
+a point twice; a trial whose point an earlier trial already holds or has done is closed as PRUNED
+(user attribute duplicate_of) without running, so no point trains twice. Each running trial beats a
+heartbeat into an SQL storage (--heartbeat seconds); a trial whose worker died stops beating and,
+two beats later, the next worker to look fails it and queues it again (Optuna's
+RetryHeartbeatStaleTrialCallback), and its run resumes from its checkpoint. A journal file has no
+heartbeat: there a killed worker's trial stays RUNNING. A trial whose run fails (a non-zero exit) is
+FAIL, and one whose run was stopped (exit 75) is PRUNED; either is queued again only when the
+command is run again. A point counts as done without training when its eval_results.json exists, in
+its workdir or in its record: the trial then reads its value.
 
 With `--records DIR` every run that finishes is also copied to DIR/<name>/ (its config.json,
 eval_results.json, metrics.jsonl, log.txt, early_exit.json/.png; no checkpoints), and a run with
