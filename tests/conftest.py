@@ -9,6 +9,8 @@ import json
 import os
 import pathlib
 import shutil
+import subprocess
+import sys
 import tempfile
 
 import numpy as np
@@ -22,6 +24,14 @@ TOKEN_CACHE = pathlib.Path(tempfile.mkdtemp(prefix="acl_jax_test_tokens_"))
 # resumed run and a rerun under another seed load the programs an earlier run in this process
 # compiled (the tiny runs spend most of their time compiling) instead of compiling them again.
 XLA_CACHE = pathlib.Path(tempfile.mkdtemp(prefix="acl_jax_test_xla_"))
+
+
+def run_experiment(script: str, *args, glue_dir) -> subprocess.CompletedProcess:
+  """`python experiments/<script> <args>` in the repository root, as a user runs it: offline,
+  with GLUE_DIR set, its output captured."""
+  env = dict(os.environ, GLUE_DIR=str(glue_dir), HF_HUB_OFFLINE="1")
+  return subprocess.run([sys.executable, f"experiments/{script}", *map(str, args)],
+                        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
 def xla_flags(*flags: str) -> str:

@@ -2,13 +2,10 @@
 they say."""
 
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 
-from conftest import REPO_ROOT
+from conftest import run_experiment
 
 import cls_spread
 
@@ -25,10 +22,8 @@ def test_spread_is_zero_for_identical_vectors_and_scale_free():
 
 
 def test_one_line_per_layer_and_the_embedded_cls_does_not_vary(tiny_bert_dir, glue_dir):
-  env = {**os.environ, "GLUE_DIR": str(glue_dir), "HF_HUB_OFFLINE": "1"}
-  proc = subprocess.run([sys.executable, "experiments/cls_spread.py", "--model",
-                         str(tiny_bert_dir), "--task", "rte", "--examples", "8"],
-                        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+  proc = run_experiment("cls_spread.py", "--model", tiny_bert_dir, "--task", "rte",
+                        "--examples", "8", glue_dir=glue_dir)
   assert proc.returncode == 0, proc.stderr
   rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
   assert [r["layer"] for r in rows] == [0, 1, 2]  # embeddings + the tiny model's 2 layers

@@ -2,15 +2,12 @@
 pooling against one example at a time, and its output on a tiny random BERT."""
 
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import torch
 import transformers
 
-from conftest import REPO_ROOT
+from conftest import run_experiment
 
 import layer_probe
 
@@ -70,10 +67,8 @@ def test_pooling_matches_each_example_alone(tiny_bert_dir, glue_dir, monkeypatch
 
 
 def test_one_line_per_layer_and_pooling(tiny_bert_dir, glue_dir):
-  env = {**os.environ, "GLUE_DIR": str(glue_dir), "HF_HUB_OFFLINE": "1"}
-  proc = subprocess.run([sys.executable, "experiments/layer_probe.py", "--model",
-                         str(tiny_bert_dir), "--task", "rte", "--train_examples", "40"],
-                        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+  proc = run_experiment("layer_probe.py", "--model", tiny_bert_dir, "--task", "rte",
+                        "--train_examples", "40", glue_dir=glue_dir)
   assert proc.returncode == 0, proc.stderr
   rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
   assert rows[0]["pooling"] == "majority class"
@@ -87,8 +82,6 @@ def test_one_line_per_layer_and_pooling(tiny_bert_dir, glue_dir):
 
 
 def test_regression_tasks_are_refused(tiny_bert_dir, glue_dir):
-  env = {**os.environ, "GLUE_DIR": str(glue_dir), "HF_HUB_OFFLINE": "1"}
-  proc = subprocess.run([sys.executable, "experiments/layer_probe.py", "--model",
-                         str(tiny_bert_dir), "--task", "stsb"],
-                        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+  proc = run_experiment("layer_probe.py", "--model", tiny_bert_dir, "--task", "stsb",
+                        glue_dir=glue_dir)
   assert proc.returncode != 0 and "regression" in proc.stderr
