@@ -101,8 +101,8 @@ class Comparison:
 # fingerprint 4202c509659cc6d0) was not to be had for four sessions running, and a session adds
 # runs only to the comparison of its own type. fair-3 does the same on a third type
 # (e9df68b1bfcc9be6, first drawn on 2026-12-05 after nine sessions of fair-2's), at fair-2's
-# commit, so the two differ only by the CPU. fair-4 does the same again on the first "Intel Xeon"
-# type our sessions drew (acdd0ee1ca63d0a7, first drawn on 2026-12-06).
+# commit, so the two differ only by the CPU. fair-4 does the same again on an "Intel Xeon" type
+# (acdd0ee1ca63d0a7, drawn on 2026-12-06; earlier Intel records predate the CPU fingerprint).
 # The first to finish gives the answers.
 COMPARISONS = {c.tag: c for c in (
     Comparison("fair-1", "5eb4784f7ffe500d60c3ffae6116b8c6cd24b1e7"),
