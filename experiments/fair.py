@@ -102,13 +102,15 @@ class Comparison:
 # runs only to the comparison of its own type. fair-3 does the same on a third type
 # (e9df68b1bfcc9be6, first drawn on 2026-12-05 after nine sessions of fair-2's), at fair-2's
 # commit, so the two differ only by the CPU. fair-4 does the same again on an "Intel Xeon" type
-# (acdd0ee1ca63d0a7, drawn on 2026-12-06; earlier Intel records predate the CPU fingerprint).
+# (acdd0ee1ca63d0a7, drawn on 2026-12-06; earlier Intel records predate the CPU fingerprint),
+# and fair-5 on a fourth "AMD EPYC" type (11c305853285076d, first drawn on 2026-12-07).
 # The first to finish gives the answers.
 COMPARISONS = {c.tag: c for c in (
     Comparison("fair-1", "5eb4784f7ffe500d60c3ffae6116b8c6cd24b1e7"),
     Comparison("fair-2", "992fa4ae5a9796830766dc95553b2dc678b0515f"),
     Comparison("fair-3", "992fa4ae5a9796830766dc95553b2dc678b0515f"),
-    Comparison("fair-4", "992fa4ae5a9796830766dc95553b2dc678b0515f"))}
+    Comparison("fair-4", "992fa4ae5a9796830766dc95553b2dc678b0515f"),
+    Comparison("fair-5", "992fa4ae5a9796830766dc95553b2dc678b0515f"))}
 TASKS = ("rte", "mrpc", "cola")
 SELECTION_SEED, REPORT_SEEDS = 0, (1, 2, 3)
 PRESET = "model=minilm"

@@ -226,7 +226,7 @@ def test_a_session_on_another_machine_type_adds_no_runs(tmp_path):
   with pytest.raises(SystemExit, match=(
       "this machine is 'AMD EPYC, 2 cores' with CPU fingerprint e51468c5bac4503e, and the "
       "records of fair-1 come from 'AMD EPYC, 2 cores' with CPU fingerprint 4202c509659cc6d0.*"
-      r"the comparison of this one \(--comparison; fair-1, fair-2, fair-3, fair-4\)")):
+      r"the comparison of this one \(--comparison; fair-1, fair-2, fair-3, fair-4, fair-5\)")):
     fair.check_this_machine(runs, MACHINE, "e51468c5bac4503e", "fair-1")
 
 
