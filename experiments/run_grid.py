@@ -510,6 +510,10 @@ class Grid:
         returncode = child.wait()
         with self.lock:
           self.children.discard(child)
+        if self.stopping.is_set() and -returncode in (signal.SIGTERM, signal.SIGINT):
+          # The signal reached the run before it installed its handler (it was still starting
+          # up): it had nothing to save, so this is a stop like any other, not a failure.
+          returncode = PREEMPTED
         if returncode:
           break
     status = {0: "ok", PREEMPTED: f"stopped (exit {PREEMPTED}; rerun to resume)"}.get(

@@ -246,6 +246,42 @@ def test_a_stopped_command_exits_75_and_queues_its_point_again(tiny_bert_dir, gr
   assert "[1/1] -m acl_jax.main --config=" in out and "--mode=early_exit" not in out, out
 
 
+def test_a_run_stopped_while_it_starts_up_is_a_stop_not_a_failure(tiny_bert_dir, grid_env,
+                                                                  tmp_path):
+  """A SIGTERM that reaches a run before the run has installed its handler (still importing)
+  kills it by the signal; run_grid, which passed the signal on, reports a stop (exit 75, the
+  point queued again), not a failed run."""
+  command = tiny_grid(tiny_bert_dir, tmp_path / "grid", "--seeds", "0")
+  worker = subprocess.Popen(command, cwd=REPO_ROOT, env=grid_env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+  deadline = time.time() + 300
+  while not children(worker.pid):  # the run has been started: a Python still importing
+    assert worker.poll() is None and time.time() < deadline, "the run never started"
+    time.sleep(0.001)
+  worker.send_signal(signal.SIGTERM)
+  out, _ = worker.communicate(timeout=300)
+  log = (tmp_path / "grid" / "rte_ce_s0" / "log.txt").read_text()
+  assert "SIGTERM at step" not in log and " train examples, " not in log, log  # died starting
+  assert worker.returncode == 75, out
+  assert "[1] stopped (exit 75; rerun to resume)" in out and "FAILED" not in out, out
+  (trial,) = optuna.load_study(study_name="grid/rte/ce",
+                               storage=f"sqlite:///{tmp_path / 'grid' / 'study.db'}").trials
+  assert trial.state == optuna.trial.TrialState.PRUNED
+
+
+def children(pid: int) -> list[int]:
+  """The processes whose parent is `pid`, from /proc."""
+  found = []
+  for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+    try:
+      fields = stat.read_text().rsplit(")", 1)[1].split()
+    except OSError:  # gone meanwhile
+      continue
+    if int(fields[1]) == pid:
+      found.append(int(stat.parent.name))
+  return found
+
+
 def test_early_exit_sweeps_a_multi_exit_run_before_recording_it(tiny_bert_dir, grid_env,
                                                                  tmp_path):
   records = tmp_path / "records"
