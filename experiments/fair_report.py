@@ -204,6 +204,27 @@ def machines(runs: list[dict]) -> str:
   return ", ".join(sorted({f"{r['machine']} (CPU fingerprint {r['cpu']})" for r in runs}))
 
 
+def same_runs_agreement(first: list[dict], second: list[dict]) -> dict:
+  """The runs that two comparisons at one commit both recorded (one run directory name, both
+  single-exit or both multi-exit), and how many of them logged the same dev evaluations: how
+  much the machine type alone moves what a comparison reports."""
+  def by_run(runs):
+    return {(r["multi_exit"], pathlib.Path(r["workdir"]).name): r for r in runs}
+  a, b = by_run(first), by_run(second)
+  both = sorted(a.keys() & b.keys())
+  differences = [abs(score(a[k]) - score(b[k])) for k in both]
+  return {"runs": len(both),
+          "evaluations_equal": sum(evaluations(a[k]) == evaluations(b[k]) for k in both),
+          "final_equal": sum(d == 0 for d in differences),
+          "largest_final_difference": max(differences, default=None)}
+
+
+def evaluations(run: dict) -> list[dict]:
+  """Every dev evaluation a run recorded (during training, then the final one)."""
+  results = json.loads((pathlib.Path(run["workdir"]) / "eval_results.json").read_text())
+  return [*results.get("history", []), results["final"]]
+
+
 def selection_table(single: list[dict]) -> str:
   """Seed 0's selection scores: CE per learning rate, CE+SCL and ACL over λ x τ at CE's chosen
   learning rate; the chosen point in bold, a point not yet run as ·."""

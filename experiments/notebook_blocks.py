@@ -9,6 +9,7 @@ numbers of its own.
 
 import collections
 import functools
+import itertools
 import json
 import pathlib
 import re
@@ -764,6 +765,33 @@ def block_fair_cross_cpu() -> str:
             f"{sum(not r['evaluations_equal'] for r in repeats)} of {len(repeats)} had another "
             "dev evaluation. Command per row in the file."]
   return "\n".join(lines)
+
+
+def block_fair_same_commit() -> str:
+  """The runs that two comparisons at one commit both recorded, and whether their dev
+  evaluations agree (fair_report.same_runs_agreement)."""
+  report, comparisons = _fair()
+  rows, pairs = [], 0
+  for (c1, *runs1), (c2, *runs2) in itertools.combinations(comparisons, 2):
+    if c1.commit != c2.commit:
+      continue
+    agreement = report.same_runs_agreement(runs1[0] + runs1[1], runs2[0] + runs2[1])
+    if not agreement["runs"]:
+      continue
+    pairs += agreement["runs"]
+    cpus = [", ".join(sorted({str(r["cpu"]) for r in runs[0] + runs[1]}))
+            for runs in (runs1, runs2)]
+    rows.append([f"{c1.tag} / {c2.tag} ({cpus[0]} / {cpus[1]})", short(c1.commit),
+                 agreement["runs"], agreement["evaluations_equal"], agreement["final_equal"],
+                 f"{agreement['largest_final_difference']:.4f}"])
+  if not rows:
+    return "No two comparisons at one commit have recorded the same run yet."
+  equal = sum(row[3] for row in rows)
+  return (table(["comparisons (CPU fingerprints)", "commit", "runs both recorded",
+                 "every dev evaluation equal", "final main metric equal",
+                 "largest final main-metric difference"], rows)
+          + f"\n\nOf {pairs} pairs of one run recorded on two machine types, {equal} logged the "
+          "same dev evaluations on both.")
 
 
 def block_fair_summary() -> str:

@@ -267,6 +267,25 @@ def test_the_committed_records_of_a_comparison_name_one_cpu_and_its_commit(tag):
   fair.check_one_commit_and_machine(runs)
 
 
+def test_runs_two_comparisons_both_recorded_are_compared_evaluation_by_evaluation(tmp_path):
+  a, b = tmp_path / "a", tmp_path / "b"
+  for root in (a, b):
+    write_record(root, "rte", "ce", 0, 0.6)
+    write_record(root, "mrpc", "ce", 0, 0.8)
+  write_record(a, "cola", "ce", 0, 0.30)
+  write_record(b, "cola", "ce", 0, 0.25)
+  write_record(b, "rte", "acl", 1, 0.7)  # recorded by one comparison only
+  # The same final score after another evaluation during training.
+  results = next(b.glob("mrpc_ce_*")) / "eval_results.json"
+  logged = json.loads(results.read_text())
+  results.write_text(json.dumps({**logged, "history": [{"step": 5, "validation": {"f1": 0.7}}]}))
+
+  agreement = fair_report.same_runs_agreement(fair.read_records(a), fair.read_records(b))
+  assert agreement == {"runs": 3, "evaluations_equal": 1, "final_equal": 2,
+                       "largest_final_difference": pytest.approx(0.05)}
+  assert fair_report.same_runs_agreement(fair.read_records(a), [])["runs"] == 0
+
+
 def test_runs_execute_only_the_tagged_commit(tmp_path):
   git = lambda *a: subprocess.run(["git", "-C", str(tmp_path), *a], check=True,
                                   capture_output=True, text=True)
