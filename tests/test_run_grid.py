@@ -254,13 +254,14 @@ def test_a_run_stopped_while_it_starts_up_is_a_stop_not_a_failure(tiny_bert_dir,
   command = tiny_grid(tiny_bert_dir, tmp_path / "grid", "--seeds", "0")
   worker = subprocess.Popen(command, cwd=REPO_ROOT, env=grid_env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+  log_file = tmp_path / "grid" / "rte_ce_s0" / "log.txt"  # opened just before the run starts
   deadline = time.time() + 300
-  while not children(worker.pid):  # the run has been started: a Python still importing
+  while not (log_file.exists() and children(worker.pid)):  # started: a Python still importing
     assert worker.poll() is None and time.time() < deadline, "the run never started"
     time.sleep(0.001)
   worker.send_signal(signal.SIGTERM)
   out, _ = worker.communicate(timeout=300)
-  log = (tmp_path / "grid" / "rte_ce_s0" / "log.txt").read_text()
+  log = log_file.read_text()
   assert "SIGTERM at step" not in log and " train examples, " not in log, log  # died starting
   assert worker.returncode == 75, out
   assert "[1] stopped (exit 75; rerun to resume)" in out and "FAILED" not in out, out
