@@ -704,9 +704,14 @@ def _each_fair(render) -> str:
   report, comparisons = _fair()
   return "\n\n".join(
       f"**{c.tag}** (commit {c.commit[:7]}, CPU fingerprint "
-      + ", ".join(sorted({str(r["cpu"]) for r in single + multi + pilot})) + ")\n\n"
+      + fingerprints(single + multi + pilot) + ")\n\n"
       + render(report, single, multi, pilot)
       for c, single, multi, pilot in comparisons if single + multi + pilot)
+
+
+def fingerprints(runs) -> str:
+  """The CPU fingerprints the runs name, "4202c509659cc6d0" (several: comma-separated)."""
+  return ", ".join(sorted({str(r["cpu"]) for r in runs}))
 
 
 def block_fair_progress() -> str:
@@ -771,22 +776,20 @@ def block_fair_same_commit() -> str:
   """The runs that two comparisons at one commit both recorded, and whether their dev
   evaluations agree (fair_report.same_runs_agreement)."""
   report, comparisons = _fair()
-  rows, pairs = [], 0
-  for (c1, *runs1), (c2, *runs2) in itertools.combinations(comparisons, 2):
+  rows = []
+  for (c1, single1, multi1, _), (c2, single2, multi2, _) in itertools.combinations(comparisons, 2):
     if c1.commit != c2.commit:
       continue
-    agreement = report.same_runs_agreement(runs1[0] + runs1[1], runs2[0] + runs2[1])
+    agreement = report.same_runs_agreement(single1 + multi1, single2 + multi2)
     if not agreement["runs"]:
       continue
-    pairs += agreement["runs"]
-    cpus = [", ".join(sorted({str(r["cpu"]) for r in runs[0] + runs[1]}))
-            for runs in (runs1, runs2)]
-    rows.append([f"{c1.tag} / {c2.tag} ({cpus[0]} / {cpus[1]})", short(c1.commit),
+    rows.append([f"{c1.tag} / {c2.tag} ({fingerprints(single1 + multi1)} / "
+                 f"{fingerprints(single2 + multi2)})", short(c1.commit),
                  agreement["runs"], agreement["evaluations_equal"], agreement["final_equal"],
                  f"{agreement['largest_final_difference']:.4f}"])
   if not rows:
     return "No two comparisons at one commit have recorded the same run yet."
-  equal = sum(row[3] for row in rows)
+  pairs, equal = sum(row[2] for row in rows), sum(row[3] for row in rows)
   return (table(["comparisons (CPU fingerprints)", "commit", "runs both recorded",
                  "every dev evaluation equal", "final main metric equal",
                  "largest final main-metric difference"], rows)
