@@ -123,6 +123,8 @@ def enable_compilation_cache(setting: str = "auto") -> str | None:
   different machines never hands one of them another's code. Call before the first compile.
   """
   if setting == "none":
+    # JAX reads $JAX_COMPILATION_CACHE_DIR itself when imported: turn that off too.
+    jax.config.update("jax_compilation_cache_dir", None)
     return None
   if setting == "auto":
     setting = os.environ.get("JAX_COMPILATION_CACHE_DIR")

@@ -57,6 +57,23 @@ def test_cli_trains_and_writes_the_run_directory(tiny_bert_dir, glue_dir, tmp_pa
   assert results["again"]["final"] == results["run"]["final"]
 
 
+def test_compilation_cache_none_is_off_even_when_the_environment_names_a_directory(
+    monkeypatch, tmp_path):
+  """JAX takes $JAX_COMPILATION_CACHE_DIR as its cache directory when imported (the tests set
+  it), so `--compilation_cache=none` must turn the cache off, not only leave it alone."""
+  import jax
+  before = jax.config.jax_compilation_cache_dir
+  try:
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "from_the_environment"))
+    assert host.enable_compilation_cache("none") is None
+    assert jax.config.jax_compilation_cache_dir is None
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "named"))
+    assert host.enable_compilation_cache("auto") == str(tmp_path / "named")
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path / "named")
+  finally:
+    jax.config.update("jax_compilation_cache_dir", before)
+
+
 def test_cli_rejects_an_unknown_config_field(glue_dir, tmp_path):
   proc = run_main("--config=configs/glue.py:rte", "--config.learning_rat=1e-4",
                   f"--workdir={tmp_path}", glue_dir=glue_dir)
