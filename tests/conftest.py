@@ -20,14 +20,10 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Tokenized GLUE splits shared by this process's test runs (keyed by text and tokenizer, so
 # sharing is safe); tests of the cache itself use their own directories.
 TOKEN_CACHE = pathlib.Path(tempfile.mkdtemp(prefix="acl_jax_test_tokens_"))
-# JAX's persistent compilation cache, fresh for each test process and shared with the
-# processes its tests start ($JAX_COMPILATION_CACHE_DIR, which `--compilation_cache=auto`
-# reads): a test's reference run, a resumed run and a rerun under another seed load the
-# programs an earlier run compiled (the tiny runs spend most of their time compiling) instead
-# of compiling them again. Not shared between xdist workers: JAX writes an entry in place, so a
-# process reading it while another writes could read it half-written.
+# JAX's persistent compilation cache, fresh for each test process: a test's reference run, a
+# resumed run and a rerun under another seed load the programs an earlier run in this process
+# compiled (the tiny runs spend most of their time compiling) instead of compiling them again.
 XLA_CACHE = pathlib.Path(tempfile.mkdtemp(prefix="acl_jax_test_xla_"))
-os.environ["JAX_COMPILATION_CACHE_DIR"] = str(XLA_CACHE)
 
 
 def run_experiment(script: str, *args, glue_dir) -> subprocess.CompletedProcess:

@@ -83,8 +83,7 @@ def tiny_grid(tiny_bert_dir, root, *extra, preset="", steps=2):
 
 @pytest.fixture
 def grid_env(glue_dir, tmp_path):
-  # One token cache for the runs of a test (their compiled programs go to the worker's cache,
-  # tests/conftest.py): later runs load what the first tokenized.
+  # One compilation cache for the runs of a test: later runs load what the first compiled.
   return {**os.environ, "GLUE_DIR": str(glue_dir), "ACL_JAX_CACHE": str(tmp_path / "cache"),
           "HF_HUB_OFFLINE": "1"}
 

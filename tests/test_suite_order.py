@@ -14,6 +14,7 @@ MODULES = ("tests/test_metrics.py", "tests/test_config.py", "tests/test_install.
 
 def _pytest(seconds_file, *args) -> subprocess.CompletedProcess:
   env = dict(os.environ, ACL_JAX_TEST_MODULE_SECONDS=str(seconds_file))
+  env.pop("PYTEST_ADDOPTS", None)  # this run's options (-v, say) would change the output read here
   return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args,
                          *MODULES], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                         timeout=300)
