@@ -67,8 +67,8 @@ def pytest_configure(config):
 # it. Handing out the longest modules first (pyproject passes --no-loadscope-reorder) leaves
 # only short ones to even out the end. `pytest tests --record-module-seconds` (or any subset)
 # writes the modules it ran into the file; modules missing from it go first.
-MODULE_SECONDS = pathlib.Path(os.environ.get("ACL_JAX_TEST_MODULE_SECONDS",
-                                             pathlib.Path(__file__).with_name("module_seconds.json")))
+MODULE_SECONDS = pathlib.Path(os.environ.get("ACL_JAX_TEST_MODULE_SECONDS")
+                              or pathlib.Path(__file__).with_name("module_seconds.json"))
 
 
 def pytest_addoption(parser):
