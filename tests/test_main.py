@@ -59,8 +59,8 @@ def test_cli_trains_and_writes_the_run_directory(tiny_bert_dir, glue_dir, tmp_pa
 
 def test_compilation_cache_none_is_off_even_when_the_environment_names_a_directory(
     monkeypatch, tmp_path):
-  """JAX takes $JAX_COMPILATION_CACHE_DIR as its cache directory when imported (the tests set
-  it), so `--compilation_cache=none` must turn the cache off, not only leave it alone."""
+  """JAX takes $JAX_COMPILATION_CACHE_DIR as its cache directory when imported (a user's shell
+  may set it), so `--compilation_cache=none` must turn the cache off, not only leave it alone."""
   import jax
   before = jax.config.jax_compilation_cache_dir
   try:
