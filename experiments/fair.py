@@ -38,7 +38,9 @@ while run_grid would still train or sweep one of its points (read from the recor
 directories as run_grid reads them); `run` plans again after each command ends, so the stages
 a finished grid unlocks run in the same invocation, and a command whose runs failed does not
 hold up the others (it exits 1 at the end, naming them). A run stopped by a signal stops every
-lane, and `run` exits 75 as run_grid does: rerun it to continue. `run` keeps LANES commands
+lane, and `run` exits 75 as run_grid does: rerun it to continue. Rerun, it first finishes the
+runs the stop left part way (resume_interrupted), since run_grid would start its fresh points
+before them. `run` keeps LANES commands
 going at once, each a single run_grid worker pinned to its own core (class Lanes).
 """
 
@@ -47,12 +49,12 @@ import collections
 import dataclasses
 import itertools
 import math
-import os
 import pathlib
 import signal
 import subprocess
 import sys
 import threading
+import time
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT / "experiments"))
@@ -175,11 +177,18 @@ def main(argv=None):
   check_this_machine(single + multi + pilot, host.machine(), host.cpu_fingerprint(),
                      comparison.tag)
   check_run_directories(run_roots(root), host.cpu_fingerprint())
-  lanes = Lanes(todo, lambda: to_do(next_commands(read_records(comparison.single_records),
-                                                   root, comparison)))
   children: set[subprocess.Popen] = set()
   # A SIGTERM here goes on to the workers, which pass it to their runs (they save and exit 75).
   signal.signal(signal.SIGTERM, lambda *_: [c.send_signal(signal.SIGTERM) for c in set(children)])
+  stopped = resume_interrupted(interrupted_points(list(todo)), checkout, children,
+                               run_grid.core_groups(LANES))
+  if stopped is not None:
+    print(f"a resumed run stopped (exit {stopped}); rerun `fair.py run` to continue",
+          file=sys.stderr)
+    sys.exit(PREEMPTED)
+  todo = to_do(next_commands(read_records(comparison.single_records), root, comparison))
+  lanes = Lanes(todo, lambda: to_do(next_commands(read_records(comparison.single_records),
+                                                   root, comparison)))
   lanes.run(lambda command, cores: run_pinned(command, cores, checkout, children),
             run_grid.core_groups(LANES))
   if lanes.stopped is not None:  # exit 75 as run_grid does: a stop to retry, not a failure
@@ -193,18 +202,84 @@ def main(argv=None):
 
 
 def run_pinned(command: list[str], cores: set[int], cwd: pathlib.Path,
-               children: set[subprocess.Popen]) -> int:
+               children: set[subprocess.Popen], stdout=None) -> int:
   """Runs `python <command>` in cwd pinned to `cores`, XLA's thread pool sized to match, and
-  returns its exit status; the process is in `children` while it runs."""
+  returns its exit status; the process is in `children` while it runs, and gets a SIGTERM if
+  this one dies (run_grid.child_setup: a run saves and exits, never outliving `run`)."""
   # run_grid --parallel 1 pins nothing itself: its worker and runs inherit these cores.
-  child = subprocess.Popen([sys.executable, *command], cwd=cwd,
+  child = subprocess.Popen([sys.executable, *command], cwd=cwd, stdout=stdout,
+                           stderr=subprocess.STDOUT if stdout else None,
                            env=run_grid.pinned_env(len(cores)),
-                           preexec_fn=lambda: os.sched_setaffinity(0, cores))
+                           preexec_fn=run_grid.child_setup(cores))
   children.add(child)
   try:
     return child.wait()
   finally:
     children.discard(child)
+
+
+def interrupted_points(commands) -> list[tuple[run_grid.Point, list[list[str]], pathlib.Path]]:
+  """The points of run_grid `commands` whose run was stopped part way: a checkpoint in its run
+  directory and a step still pending (train, or the early-exit sweep), each with those steps
+  and its command's --records, as run_grid reads them."""
+  found = []
+  for command in commands:
+    args = run_grid.parse_args(list(command[1:]))
+    for cell in run_grid.make_cells(args, args.root.resolve()):
+      for point in cell.points:
+        steps = run_grid.pending(point, args)
+        if steps and (point.workdir / "checkpoints").is_dir():
+          found.append((point, steps, args.records))
+  return found
+
+
+def resume_interrupted(points, checkout: pathlib.Path, children: set[subprocess.Popen],
+                       core_sets: list[set[int]]) -> int | None:
+  """Finishes the runs a stop left part way before any run_grid command starts, one per core.
+
+  run_grid queues a stopped point again behind every point it queued before and has not
+  started (Optuna hands out the oldest queued trial first), so each stop and restart would
+  start fresh runs and leave the stopped ones waiting, some a few steps from the end. Each
+  point's pending steps run as run_grid runs them (the checkout's code, pinned to one core,
+  output appended to its log.txt), and a finished one is recorded as run_grid records it
+  (keep_record); when run_grid reaches the point it finds it done and reads its value. A failed
+  step is left to run_grid, which runs it again and reports it. Returns the exit status of a
+  stopped run (75, or the signal that killed it), else None.
+  """
+  queue = collections.deque(points)
+  stopped: list[int] = []
+  lock = threading.Lock()
+
+  def lane(cores):
+    while True:
+      with lock:
+        if stopped or not queue:
+          return
+        point, steps, records = queue.popleft()
+        start = time.time()
+        print(f"resume {run_grid.describe(steps)} (core {','.join(map(str, sorted(cores)))})",
+              flush=True)
+      for step in steps:  # train, then sweep; a failed step stops the rest
+        with open(point.workdir / "log.txt", "a") as log:
+          returncode = run_pinned(step[1:], cores, checkout, children, stdout=log)
+        if returncode:
+          break
+      kept = ""
+      if returncode == 0 and records is not None:
+        kept = f"; record: {run_grid.keep_record(point.workdir, records)}"
+      status = {0: "ok"}.get(returncode, f"exit {returncode}")
+      with lock:
+        print(f"    {status} in {time.time() - start:.0f} s; log: {point.workdir / 'log.txt'}"
+              + kept, flush=True)
+        if returncode == PREEMPTED or returncode < 0:
+          stopped.append(returncode)
+
+  threads = [threading.Thread(target=lane, args=(cores,)) for cores in core_sets]
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join()
+  return stopped[0] if stopped else None
 
 
 class Lanes:

@@ -304,6 +304,16 @@ def test_runs_execute_only_the_tagged_commit(tmp_path):
     fair.check_pinned_commit(tmp_path, comparison)
 
 
+def commit_all(checkout: pathlib.Path) -> str:
+  """Commits every file under `checkout` to a new repository there; returns the commit."""
+  git = lambda *a: subprocess.run(["git", "-C", str(checkout), *a], check=True,
+                                  capture_output=True, text=True).stdout.strip()
+  git("init", "-q")
+  git("add", ".")
+  git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "a")
+  return git("rev-parse", "HEAD")
+
+
 @pytest.mark.parametrize("run_grid_exit", [fair.PREEMPTED, 1])
 def test_run_exits_75_when_a_run_is_stopped_and_1_naming_the_commands_whose_runs_failed(
     tmp_path, monkeypatch, run_grid_exit):
@@ -313,14 +323,9 @@ def test_run_exits_75_when_a_run_is_stopped_and_1_naming_the_commands_whose_runs
   (checkout / "experiments").mkdir(parents=True)
   fake_run_grid = f"import sys\nsys.exit({run_grid_exit})\n"
   (checkout / "experiments" / "run_grid.py").write_text(fake_run_grid)
-  git = lambda *a: subprocess.run(["git", "-C", str(checkout), *a], check=True,
-                                  capture_output=True, text=True).stdout.strip()
-  git("init", "-q")
-  git("add", ".")
-  git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "a")
   # No records yet: any machine.
   monkeypatch.setitem(fair.COMPARISONS, "fair-1", fair.Comparison(
-      "fair-1", git("rev-parse", "HEAD"), records=tmp_path / "records"))
+      "fair-1", commit_all(checkout), records=tmp_path / "records"))
   previous = signal.getsignal(signal.SIGTERM)  # main passes SIGTERM on to its children
   try:
     with pytest.raises(SystemExit) as stopped:
@@ -332,6 +337,56 @@ def test_run_exits_75_when_a_run_is_stopped_and_1_naming_the_commands_whose_runs
   else:  # each of CE's three learning-rate commands ran and failed; the message names them
     assert "3 run_grid commands had failed runs" in stopped.value.code
     assert all(f"--tasks {task} " in stopped.value.code for task in fair.TASKS)
+
+
+@pytest.mark.parametrize("train_exit", [0, fair.PREEMPTED])
+def test_run_finishes_the_runs_a_stop_left_part_way_before_any_run_grid_command(
+    tmp_path, monkeypatch, train_exit):
+  """`fair.py run` end to end with a fake checkout: the one point with a checkpoint in its run
+  directory is trained first, as run_grid would (the checkout's `python -m acl_jax.main`, its
+  output appended to the run's log.txt), and recorded; only then does run_grid start. A resumed
+  run stopped again stops `run` (exit 75) before any run_grid command."""
+  checkout, records, root = tmp_path / "checkout", tmp_path / "records", tmp_path / "fair_1"
+  write_record(tmp_path / "template", "rte", "ce", 0, 0.6, lr=1e-4)
+  (template,) = (tmp_path / "template").iterdir()
+  (checkout / "acl_jax").mkdir(parents=True)
+  (checkout / "experiments").mkdir()
+  (checkout / "acl_jax" / "__init__.py").write_text("")
+  (checkout / "acl_jax" / "main.py").write_text(
+      "import pathlib, shutil, sys\n"
+      "workdir = pathlib.Path(sys.argv[-1].removeprefix('--workdir='))\n"
+      f"with open({str(tmp_path / 'trained')!r}, 'a') as f: f.write(workdir.name + '\\n')\n"
+      "print('fake training', sys.argv[1])\n"
+      f"if {train_exit}: sys.exit({train_exit})\n"
+      f"for name in ('config.json', 'eval_results.json'):\n"
+      f"  shutil.copy({str(template)!r} + '/' + name, workdir / name)\n")
+  # run_grid writes down whether the resumed run's record was there when it started.
+  resumed = "rte_ce_s0_learning_rate=0.0001"
+  (checkout / "experiments" / "run_grid.py").write_text(
+      f"import os, sys\nwith open({str(tmp_path / 'run_grid')!r}, 'a') as f:\n"
+      f"  f.write(str(os.path.exists({str(records / 'fair_1' / resumed / 'eval_results.json')!r})))"
+      f"\nsys.exit({fair.PREEMPTED})\n")
+  monkeypatch.setitem(fair.COMPARISONS, "fair-1", fair.Comparison(
+      "fair-1", commit_all(checkout), records=records))
+  (root / resumed / "checkpoints").mkdir(parents=True)
+  (root / "rte_ce_s0_learning_rate=5e-05").mkdir()  # started, nothing saved: not resumed
+  previous = signal.getsignal(signal.SIGTERM)
+  try:
+    with pytest.raises(SystemExit) as stopped:
+      fair.main(["run", "--root", str(root), "--checkout", str(checkout)])
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+  assert stopped.value.code == fair.PREEMPTED
+  assert (tmp_path / "trained").read_text() == resumed + "\n"
+  log = (root / resumed / "log.txt").read_text()
+  assert "fake training --config=configs/glue.py:rte,model=minilm,objective=ce,seed=0," in log
+  if train_exit:
+    assert not (records / "fair_1").exists() and not (tmp_path / "run_grid").exists()
+  else:
+    kept = records / "fair_1" / resumed
+    assert sorted(p.name for p in kept.iterdir()) == ["config.json", "eval_results.json",
+                                                      "log.txt"]
+    assert (tmp_path / "run_grid").read_text().startswith("True")  # recorded before it ran
 
 
 def report(root, task, scores: dict[str, list[float]], *, scl_point=(0.3, 0.1),
