@@ -48,68 +48,10 @@ def xla_flags(*flags: str) -> str:
 if not (importlib.util.find_spec("jax_plugins") or importlib.util.find_spec("libtpu")):
   os.environ["XLA_FLAGS"] = xla_flags("--xla_backend_optimization_level=0")
 
-# JAX caches only programs that took over a second to compile; at -O0 most of the tiny models'
-# programs compile faster, so each process a test starts (a reference run, its rerun, a sweep's
-# seeds) compiled all of those again. Cache every program, here and in child processes: a warm
-# 40-step tiny ACL run went from 25 to 20 s of CPU on a loaded 2-core AMD EPYC.
-os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-
 
 def pytest_configure(config):
   import jax
   jax.config.update("jax_compilation_cache_dir", str(XLA_CACHE))
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-
-
-# Seconds each test module took in a full run. xdist's loadscope gives each worker whole
-# modules, one at a time, in collection order; by default it sorts them by their number of
-# tests, which put the longest module (one gs:// test) last and left the other worker idle for
-# it. Handing out the longest modules first (pyproject passes --no-loadscope-reorder) leaves
-# only short ones to even out the end. `pytest tests --record-module-seconds` (or any subset)
-# writes the modules it ran into the file; modules missing from it go first.
-MODULE_SECONDS = pathlib.Path(os.environ.get("ACL_JAX_TEST_MODULE_SECONDS")
-                              or pathlib.Path(__file__).with_name("module_seconds.json"))
-
-
-def pytest_addoption(parser):
-  parser.addoption("--record-module-seconds", action="store_true",
-                   help=f"write each module's seconds in this run into {MODULE_SECONDS.name}, "
-                        "which orders the modules for the next run (longest first)")
-
-
-def _module(nodeid: str) -> str:
-  return pathlib.PurePosixPath(nodeid.split("::")[0]).name
-
-
-def _recorded_seconds() -> dict[str, float]:
-  try:
-    return json.loads(MODULE_SECONDS.read_text())["seconds"]
-  except FileNotFoundError:
-    return {}
-
-
-def pytest_collection_modifyitems(config, items):
-  seconds = _recorded_seconds()
-  # Stable: a module's tests keep their order, and stay together.
-  items.sort(key=lambda item: -seconds.get(_module(item.nodeid), float("inf")))
-
-
-_RUN_SECONDS: dict[str, float] = {}
-
-
-def pytest_runtest_logreport(report):
-  # With xdist this hook also runs in the controlling process, for every worker's report.
-  _RUN_SECONDS[_module(report.nodeid)] = _RUN_SECONDS.get(_module(report.nodeid), 0.0) + (
-      report.duration)
-
-
-def pytest_sessionfinish(session):
-  config = session.config
-  if not config.getoption("record_module_seconds") or hasattr(config, "workerinput"):
-    return  # a worker's share is in the controller's sums
-  seconds = {**_recorded_seconds(), **{m: round(s, 1) for m, s in _RUN_SECONDS.items()}}
-  MODULE_SECONDS.write_text(json.dumps(
-      {"seconds": dict(sorted(seconds.items(), key=lambda kv: -kv[1]))}, indent=1) + "\n")
 
 
 @pytest.fixture(scope="session")

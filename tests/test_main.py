@@ -23,10 +23,9 @@ def test_cli_trains_and_writes_the_run_directory(tiny_bert_dir, glue_dir, tmp_pa
   """Also: the persistent compilation cache. A second run of the same program into another
   workdir adds no cache entry (every compile was loaded) and lands on the same results.
 
-  JAX writes an entry only for a compile that took over a threshold (1 s by default); set to 0
-  here (as tests/conftest.py sets it for every test), as otherwise a program that compiles in
-  0.9 s under one run's load and 1.1 s under the next's makes the second run add an entry (CI
-  failed that way once).
+  JAX writes an entry only for a compile that took over a threshold (1 s); set to 0 here, as
+  otherwise a program that compiles in 0.9 s under one run's load and 1.1 s under the next's
+  makes the second run add an entry (CI failed that way once).
   """
   xla_cache = tmp_path / "xla"
   results = {}
