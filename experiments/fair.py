@@ -186,9 +186,9 @@ def main(argv=None):
     print(f"a resumed run stopped (exit {stopped}); rerun `fair.py run` to continue",
           file=sys.stderr)
     sys.exit(PREEMPTED)
-  todo = to_do(next_commands(read_records(comparison.single_records), root, comparison))
-  lanes = Lanes(todo, lambda: to_do(next_commands(read_records(comparison.single_records),
-                                                   root, comparison)))
+  replan = lambda: to_do(next_commands(read_records(comparison.single_records), root,
+                                       comparison))
+  lanes = Lanes(replan(), replan)  # planned again: the resumed runs' records may choose more
   lanes.run(lambda command, cores: run_pinned(command, cores, checkout, children),
             run_grid.core_groups(LANES))
   if lanes.stopped is not None:  # exit 75 as run_grid does: a stop to retry, not a failure
