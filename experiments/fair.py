@@ -38,15 +38,16 @@ while run_grid would still train or sweep one of its points (read from the recor
 directories as run_grid reads them); `run` plans again after each command ends, so the stages
 a finished grid unlocks run in the same invocation, and a command whose runs failed does not
 hold up the others (it exits 1 at the end, naming them). A run stopped by a signal stops every
-lane, and `run` exits 75 as run_grid does: rerun it to continue. Rerun, it first finishes the
-runs the stop left part way (resume_interrupted), since run_grid would start its fresh points
-before them. `run` keeps LANES commands
-going at once, each a single run_grid worker pinned to its own core (class Lanes).
+lane, and `run` exits 75 as run_grid does: rerun it to continue. Rerun, its lanes first finish
+the runs the stop left part way (resume), since run_grid would start its fresh points before
+them. `run` keeps LANES commands going at once, each a single run_grid worker pinned to its own
+core (class Lanes).
 """
 
 import argparse
 import collections
 import dataclasses
+import functools
 import itertools
 import math
 import pathlib
@@ -180,15 +181,11 @@ def main(argv=None):
   children: set[subprocess.Popen] = set()
   # A SIGTERM here goes on to the workers, which pass it to their runs (they save and exit 75).
   signal.signal(signal.SIGTERM, lambda *_: [c.send_signal(signal.SIGTERM) for c in set(children)])
-  stopped = resume_interrupted(interrupted_points(list(todo)), checkout, children,
-                               run_grid.core_groups(LANES))
-  if stopped is not None:
-    print(f"a resumed run stopped (exit {stopped}); rerun `fair.py run` to continue",
-          file=sys.stderr)
-    sys.exit(PREEMPTED)
   replan = lambda: to_do(next_commands(read_records(comparison.single_records), root,
                                        comparison))
-  lanes = Lanes(replan(), replan)  # planned again: the resumed runs' records may choose more
+  resumes = [(command, functools.partial(resume, *job, checkout=checkout, children=children))
+             for command, *job in interrupted_points(list(todo))]
+  lanes = Lanes(todo, replan, resumes)
   lanes.run(lambda command, cores: run_pinned(command, cores, checkout, children),
             run_grid.core_groups(LANES))
   if lanes.stopped is not None:  # exit 75 as run_grid does: a stop to retry, not a failure
@@ -218,10 +215,11 @@ def run_pinned(command: list[str], cores: set[int], cwd: pathlib.Path,
     children.discard(child)
 
 
-def interrupted_points(commands) -> list[tuple[run_grid.Point, list[list[str]], pathlib.Path]]:
+def interrupted_points(commands) -> list[tuple[tuple[str, ...], run_grid.Point,
+                                                list[list[str]], pathlib.Path]]:
   """The points of run_grid `commands` whose run was stopped part way: a checkpoint in its run
-  directory and a step still pending (train, or the early-exit sweep), each with those steps
-  and its command's --records, as run_grid reads them."""
+  directory and a step still pending (train, or the early-exit sweep), each after its command
+  and with those steps and its command's --records, as run_grid reads them."""
   found = []
   for command in commands:
     args = run_grid.parse_args(list(command[1:]))
@@ -229,78 +227,71 @@ def interrupted_points(commands) -> list[tuple[run_grid.Point, list[list[str]], 
       for point in cell.points:
         steps = run_grid.pending(point, args)
         if steps and (point.workdir / "checkpoints").is_dir():
-          found.append((point, steps, args.records))
+          found.append((tuple(command), point, steps, args.records))
   return found
 
 
-def resume_interrupted(points, checkout: pathlib.Path, children: set[subprocess.Popen],
-                       core_sets: list[set[int]]) -> int | None:
-  """Finishes the runs a stop left part way before any run_grid command starts, one per core.
+def resume(point: run_grid.Point, steps: list[list[str]], records: pathlib.Path | None,
+           cores: set[int], *, checkout: pathlib.Path, children: set[subprocess.Popen]) -> int:
+  """Finishes a run a stop left part way, as run_grid would: its pending steps (train, then
+  sweep; a failed step stops the rest) with the checkout's code pinned to `cores`, output
+  appended to its log.txt, and its record kept as run_grid keeps it (keep_record). Returns the
+  exit status of the last step run.
 
-  run_grid queues a stopped point again behind every point it queued before and has not
-  started (Optuna hands out the oldest queued trial first), so each stop and restart would
-  start fresh runs and leave the stopped ones waiting, some a few steps from the end. Each
-  point's pending steps run as run_grid runs them (the checkout's code, pinned to one core,
-  output appended to its log.txt), and a finished one is recorded as run_grid records it
-  (keep_record); when run_grid reaches the point it finds it done and reads its value. A failed
-  step is left to run_grid, which runs it again and reports it. Returns the exit status of a
-  stopped run (75, or the signal that killed it), else None.
+  Lanes runs these before run_grid's commands: run_grid queues a stopped point again behind
+  every point it queued before and has not started (Optuna hands out the oldest queued trial
+  first), so each stop and restart would start fresh runs and leave the stopped ones waiting,
+  some a few steps from the end. When run_grid reaches the point it finds it done and reads
+  its value; a failed step is left to run_grid, which runs it again and reports it.
   """
-  queue = collections.deque(points)
-  stopped: list[int] = []
-  lock = threading.Lock()
+  start = time.time()
+  say(f"resume {run_grid.describe(steps)} (core {','.join(map(str, sorted(cores)))})")
+  for step in steps:
+    with open(point.workdir / "log.txt", "a") as log:
+      returncode = run_pinned(step[1:], cores, checkout, children, stdout=log)
+    if returncode:
+      break
+  kept = ""
+  if returncode == 0 and records is not None:
+    kept = f"; record: {run_grid.keep_record(point.workdir, records)}"
+  status = {0: "ok"}.get(returncode, f"exit {returncode}")
+  say(f"    {status} in {time.time() - start:.0f} s; log: {point.workdir / 'log.txt'}" + kept)
+  return returncode
 
-  def lane(cores):
-    while True:
-      with lock:
-        if stopped or not queue:
-          return
-        point, steps, records = queue.popleft()
-        start = time.time()
-        print(f"resume {run_grid.describe(steps)} (core {','.join(map(str, sorted(cores)))})",
-              flush=True)
-      for step in steps:  # train, then sweep; a failed step stops the rest
-        with open(point.workdir / "log.txt", "a") as log:
-          returncode = run_pinned(step[1:], cores, checkout, children, stdout=log)
-        if returncode:
-          break
-      kept = ""
-      if returncode == 0 and records is not None:
-        kept = f"; record: {run_grid.keep_record(point.workdir, records)}"
-      status = {0: "ok"}.get(returncode, f"exit {returncode}")
-      with lock:
-        print(f"    {status} in {time.time() - start:.0f} s; log: {point.workdir / 'log.txt'}"
-              + kept, flush=True)
-        if returncode == PREEMPTED or returncode < 0:
-          stopped.append(returncode)
 
-  threads = [threading.Thread(target=lane, args=(cores,)) for cores in core_sets]
-  for thread in threads:
-    thread.start()
-  for thread in threads:
-    thread.join()
-  return stopped[0] if stopped else None
+SAY = threading.Lock()  # the lanes' threads print whole lines
+
+
+def say(line: str) -> None:
+  with SAY:
+    print(line, flush=True)
 
 
 class Lanes:
   """Hands run_grid commands to lanes, one core each.
 
-  The plan maps each command with runs left to how many (to_do). A lane takes the first
-  command of the latest plan that no lane runs and no lane has taken, or that has fewer runs
-  left than when a lane last took it (its worker ended early, say because another command's
-  worker held its trials, yet it moves on: taken again, it ends, since each take needs
-  progress). The records a command adds can make choices, and with them the next stages'
-  commands (a grid finished at noon starts its report runs the same afternoon). With none to
-  take, a lane joins a command that one other lane runs, as a second worker on that command's
-  Optuna study; with none of those, it waits for a lane to finish and the plan to be made
-  again. A run stopped by a signal (exit 75, or killed) stops every lane from taking more; a
-  failed run does not hold up other commands, and its command is not taken again. A plan that
-  cannot be made (a record that cannot be read, say) stops every lane from taking more, and
-  run() raises its error once the commands running then have ended.
+  The plan maps each command with runs left to how many (to_do). A lane first takes the runs a
+  stop left part way (resumes: each a command and a function of the cores that finishes one of
+  its runs), and a command waits until none of its own are left or running, so that its
+  run_grid worker never reaches a point being resumed; the other commands need not wait. Then
+  a lane takes the first command of the latest plan that no lane runs and no lane has taken,
+  or that has fewer runs left than when a lane last took it (its worker ended early, say
+  because another command's worker held its trials, yet it moves on: taken again, it ends,
+  since each take needs progress). The records a command adds can make choices, and with them
+  the next stages' commands (a grid finished at noon starts its report runs the same
+  afternoon). With none to take, a lane joins a command that one other lane runs, as a second
+  worker on that command's Optuna study; with none of those, it waits for a lane to finish and
+  the plan to be made again. A run stopped by a signal (exit 75, or killed) stops every lane
+  from taking more; a failed run does not hold up other commands, and its command is not
+  taken again (a failed resume is left to its command's run_grid, which runs it again and
+  reports it). A plan that cannot be made (a record that cannot be read, say) stops every lane
+  from taking more, and run() raises its error once the commands running then have ended.
   """
 
-  def __init__(self, plan: dict[tuple[str, ...], int], replan):
+  def __init__(self, plan: dict[tuple[str, ...], int], replan, resumes=()):
     self.plan, self.replan = plan, replan  # command -> runs left; replan() makes the next
+    self.resumes = collections.deque(resumes)  # (command, resume(cores) -> exit status)
+    self.resuming = collections.Counter(command for command, _ in self.resumes)  # not ended
     self.changed = threading.Condition()
     self.taken: dict[tuple[str, ...], int] = {}  # command -> runs left when last taken fresh
     self.joined = set()  # commands a second lane has joined
@@ -309,11 +300,15 @@ class Lanes:
     self.stopped: int | None = None  # the exit status that stopped the lanes
     self.error: Exception | None = None  # why the plan could not be made again
 
-  def take(self) -> tuple[str, ...] | None:
+  def take(self):
+    """The next job: (command, a resume of one of its runs), (command, None) for its run_grid
+    worker, or None when there is nothing more to take."""
     with self.changed:
       while self.stopped is None and self.error is None:
+        if self.resumes:
+          return self.resumes.popleft()
         fresh = [c for c, left in self.plan.items()
-                 if not self.workers[c] and c not in self.failed
+                 if not self.workers[c] and not self.resuming[c] and c not in self.failed
                  and left < self.taken.get(c, math.inf)]
         alone = [c for c, n in self.workers.items() if n == 1 and c not in self.joined]
         if fresh:
@@ -325,20 +320,21 @@ class Lanes:
           self.joined.add(command)
         if fresh or alone:
           self.workers[command] += 1
-          return command
-        if not self.workers:  # nothing runs, so nothing can plan more
+          return command, None
+        if not self.workers and not self.resuming:  # nothing runs, so nothing can plan more
           return None
         self.changed.wait()
       return None
 
-  def finish(self, command: tuple[str, ...], returncode: int) -> None:
+  def finish(self, command: tuple[str, ...], returncode: int, resumed: bool = False) -> None:
     with self.changed:
-      self.workers[command] -= 1
-      if not self.workers[command]:
-        del self.workers[command]
+      running = self.resuming if resumed else self.workers
+      running[command] -= 1
+      if not running[command]:
+        del running[command]
       if returncode == PREEMPTED or returncode < 0:
         self.stopped = returncode
-      elif returncode and command not in self.failed:  # its cell waits; the others go on
+      elif returncode and not resumed and command not in self.failed:  # its cell waits
         self.failed.append(command)
       try:
         self.plan = self.replan()
@@ -349,13 +345,15 @@ class Lanes:
   def run(self, execute, core_sets: list[set[int]]) -> None:
     """execute(command, cores) -> exit status, called by one thread per core set."""
     def lane(cores):
-      while (command := self.take()) is not None:
-        print(f"$ {' '.join(command)} (core {','.join(map(str, sorted(cores)))})", flush=True)
+      while (job := self.take()) is not None:
+        command, resumption = job
+        if resumption is None:
+          say(f"$ {' '.join(command)} (core {','.join(map(str, sorted(cores)))})")
         returncode = 1
         try:
-          returncode = execute(command, cores)
+          returncode = resumption(cores) if resumption else execute(command, cores)
         finally:
-          self.finish(command, returncode)
+          self.finish(command, returncode, resumed=resumption is not None)
     threads = [threading.Thread(target=lane, args=(cores,)) for cores in core_sets]
     for thread in threads:
       thread.start()

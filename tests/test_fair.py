@@ -2,6 +2,7 @@
 and answers, from records written here as run_grid keeps them (config.json, eval_results.json)."""
 
 import collections
+import contextlib
 import json
 import math
 import os
@@ -10,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -340,53 +342,63 @@ def test_run_exits_75_when_a_run_is_stopped_and_1_naming_the_commands_whose_runs
 
 
 @pytest.mark.parametrize("train_exit", [0, fair.PREEMPTED])
-def test_run_finishes_the_runs_a_stop_left_part_way_before_any_run_grid_command(
+def test_run_finishes_the_runs_a_stop_left_part_way_before_their_command_and_the_others_go_on(
     tmp_path, monkeypatch, train_exit):
   """`fair.py run` end to end with a fake checkout: the one point with a checkpoint in its run
   directory is trained first, as run_grid would (the checkout's `python -m acl_jax.main`, its
-  output appended to the run's log.txt), and recorded; only then does run_grid start. A resumed
-  run stopped again stops `run` (exit 75) before any run_grid command."""
+  output appended to the run's log.txt), and recorded before its command's run_grid starts,
+  while the other lane runs another task's command. A resumed run stopped again stops `run`
+  (exit 75) and its command never starts."""
   checkout, records, root = tmp_path / "checkout", tmp_path / "records", tmp_path / "fair_1"
   write_record(tmp_path / "template", "rte", "ce", 0, 0.6, lr=1e-4)
   (template,) = (tmp_path / "template").iterdir()
   (checkout / "acl_jax").mkdir(parents=True)
   (checkout / "experiments").mkdir()
   (checkout / "acl_jax" / "__init__.py").write_text("")
+  started = tmp_path / "run_grid"  # each run_grid writes its task, and whether the record was in
   (checkout / "acl_jax" / "main.py").write_text(
-      "import pathlib, shutil, sys\n"
+      "import pathlib, shutil, sys, time\n"
       "workdir = pathlib.Path(sys.argv[-1].removeprefix('--workdir='))\n"
-      f"with open({str(tmp_path / 'trained')!r}, 'a') as f: f.write(workdir.name + '\\n')\n"
       "print('fake training', sys.argv[1])\n"
+      # Trains until the other lane has started a run_grid (20 s at most): side by side.
+      "for _ in range(400):\n"
+      f"  if pathlib.Path({str(started)!r}).exists(): break\n"
+      "  time.sleep(0.05)\n"
+      f"side_by_side = pathlib.Path({str(started)!r}).exists()\n"
+      f"with open({str(tmp_path / 'trained')!r}, 'a') as f:\n"
+      "  f.write(f'{workdir.name} {side_by_side}\\n')\n"
       f"if {train_exit}: sys.exit({train_exit})\n"
       f"for name in ('config.json', 'eval_results.json'):\n"
       f"  shutil.copy({str(template)!r} + '/' + name, workdir / name)\n")
-  # run_grid writes down whether the resumed run's record was there when it started.
   resumed = "rte_ce_s0_learning_rate=0.0001"
   (checkout / "experiments" / "run_grid.py").write_text(
-      f"import os, sys\nwith open({str(tmp_path / 'run_grid')!r}, 'a') as f:\n"
-      f"  f.write(str(os.path.exists({str(records / 'fair_1' / resumed / 'eval_results.json')!r})))"
-      f"\nsys.exit({fair.PREEMPTED})\n")
+      f"import os, sys\nwith open({str(started)!r}, 'a') as f:\n"
+      f"  f.write(sys.argv[sys.argv.index('--tasks') + 1] + ' ' + "
+      f"str(os.path.exists({str(records / 'fair_1' / resumed / 'eval_results.json')!r})) + "
+      "'\\n')\n")
   monkeypatch.setitem(fair.COMPARISONS, "fair-1", fair.Comparison(
       "fair-1", commit_all(checkout), records=records))
   (root / resumed / "checkpoints").mkdir(parents=True)
   (root / "rte_ce_s0_learning_rate=5e-05").mkdir()  # started, nothing saved: not resumed
   previous = signal.getsignal(signal.SIGTERM)
   try:
-    with pytest.raises(SystemExit) as stopped:
+    with pytest.raises(SystemExit) if train_exit else contextlib.nullcontext() as stopped:
       fair.main(["run", "--root", str(root), "--checkout", str(checkout)])
   finally:
     signal.signal(signal.SIGTERM, previous)
-  assert stopped.value.code == fair.PREEMPTED
-  assert (tmp_path / "trained").read_text() == resumed + "\n"
+  # It trained, and the other lane started another task's run_grid meanwhile.
+  assert (tmp_path / "trained").read_text() == resumed + " True\n"
   log = (root / resumed / "log.txt").read_text()
   assert "fake training --config=configs/glue.py:rte,model=minilm,objective=ce,seed=0," in log
+  grids = started.read_text().splitlines()
   if train_exit:
-    assert not (records / "fair_1").exists() and not (tmp_path / "run_grid").exists()
+    assert stopped.value.code == fair.PREEMPTED
+    assert not (records / "fair_1").exists() and not any(g.startswith("rte") for g in grids)
   else:
     kept = records / "fair_1" / resumed
     assert sorted(p.name for p in kept.iterdir()) == ["config.json", "eval_results.json",
                                                       "log.txt"]
-    assert (tmp_path / "run_grid").read_text().startswith("True")  # recorded before it ran
+    assert set(g for g in grids if g.startswith("rte")) == {"rte True"}  # recorded before
 
 
 def report(root, task, scores: dict[str, list[float]], *, scl_point=(0.3, 0.1),
@@ -605,6 +617,33 @@ def test_lanes_take_new_commands_as_the_plan_grows_and_join_rather_than_idle():
   script.release[c].set()
   thread.join(10)
   assert not thread.is_alive() and [s[0] for s in script.started[2:]] == [c, c]
+  assert lanes.failed == [] and lanes.stopped is None
+
+
+def test_a_lane_resumes_a_stopped_run_while_the_other_runs_a_command_that_holds_none():
+  """The runs a stop left part way go first; their command waits for them, the others do not
+  (with one stopped run the second lane must not idle). A failed resume is left to its
+  command's run_grid, which is taken once the resume ends."""
+  a, b, resume_a = ("a",), ("b",), ("resume a",)
+  plans = iter([{a: 2}, {a: 2}, {}, {}])  # after b, after the resume, after a's two workers
+  script = Script(codes={resume_a: 1})
+  lanes = fair.Lanes({a: 2, b: 1}, lambda: next(plans),
+                     resumes=[(a, lambda cores: script(resume_a, cores))])
+  thread = start_lanes(lanes, script)
+  script.wait_started(2)
+  assert [s[0] for s in script.started] == [resume_a, b]
+  script.release[b].set()
+  with lanes.changed:  # b has ended; its lane must wait for the resume rather than take a
+    assert lanes.changed.wait_for(lambda: not lanes.workers, 10)
+  time.sleep(0.2)
+  assert len(script.started) == 2
+  script.release[resume_a].set()
+  script.wait_started(4)  # a's worker, then the other lane joins it
+  script.release[a].set()
+  thread.join(10)
+  assert not thread.is_alive()
+  assert [s[0] for s in script.started] == [resume_a, b, a, a]  # a's lane, then one joining
+  assert not script.started[2][2].get(resume_a)  # a started once its resume had ended
   assert lanes.failed == [] and lanes.stopped is None
 
 
