@@ -17,13 +17,24 @@ import numpy as np
 import pytest
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+_PROCESS_DIRECTORIES: list[tempfile.TemporaryDirectory] = []  # alive until this process exits
+
+
+def process_directory(prefix: str) -> pathlib.Path:
+  """A temporary directory for this process, deleted when it exits: otherwise each run of the
+  suite leaves its caches in /tmp (up to about 150 MB a test process)."""
+  directory = tempfile.TemporaryDirectory(prefix=prefix, ignore_cleanup_errors=True)
+  _PROCESS_DIRECTORIES.append(directory)  # its finalizer deletes it at exit
+  return pathlib.Path(directory.name)
+
+
 # Tokenized GLUE splits shared by this process's test runs (keyed by text and tokenizer, so
 # sharing is safe); tests of the cache itself use their own directories.
-TOKEN_CACHE = pathlib.Path(tempfile.mkdtemp(prefix="acl_jax_test_tokens_"))
+TOKEN_CACHE = process_directory("acl_jax_test_tokens_")
 # JAX's persistent compilation cache, fresh for each test process: a test's reference run, a
 # resumed run and a rerun under another seed load the programs an earlier run in this process
 # compiled (the tiny runs spend most of their time compiling) instead of compiling them again.
-XLA_CACHE = pathlib.Path(tempfile.mkdtemp(prefix="acl_jax_test_xla_"))
+XLA_CACHE = process_directory("acl_jax_test_xla_")
 
 
 def run_experiment(script: str, *args, glue_dir) -> subprocess.CompletedProcess:

@@ -5,6 +5,7 @@ import ast
 import importlib.metadata
 import pathlib
 import re
+import subprocess
 import sys
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "acl_jax"
@@ -65,3 +66,15 @@ def test_the_default_install_provides_every_import():
     if not dists & closure:
       missing.append(f"{module} ({where}; provided by {sorted(dists) or 'nothing installed'})")
   assert not missing, f"imported but not in the default install: {missing}"
+
+
+def test_the_suites_caches_leave_with_their_process():
+  """conftest's token and compilation caches (and those of the child processes that import it)
+  are deleted when the process exits."""
+  root = PACKAGE.parent
+  out = subprocess.run([sys.executable, "-c", "from tests import conftest as c; "
+                        "print(c.TOKEN_CACHE, c.XLA_CACHE, c.TOKEN_CACHE.is_dir())"],
+                       cwd=root, capture_output=True, text=True, check=True).stdout.split()
+  tokens, xla, existed = out
+  assert existed == "True"
+  assert not pathlib.Path(tokens).exists() and not pathlib.Path(xla).exists()
