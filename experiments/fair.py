@@ -189,7 +189,7 @@ def main(argv=None):
   lanes.run(lambda command, cores: run_pinned(command, cores, checkout, children),
             run_grid.core_groups(LANES))
   if lanes.stopped is not None:  # exit 75 as run_grid does: a stop to retry, not a failure
-    print(f"run_grid stopped (exit {lanes.stopped}); rerun `fair.py run` to continue",
+    print(f"a run stopped (exit {lanes.stopped}); rerun `fair.py run` to continue",
           file=sys.stderr)
     sys.exit(PREEMPTED)
   if lanes.failed:
